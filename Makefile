@@ -1,0 +1,30 @@
+# Two entry points: `make demo` (the main job on local sandbox hosts) and `make test`.
+# Each creates or refreshes .venv and installs what it needs.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch==2.13.0 is the CPU build on this fleet's controllers; triton pinned to the GPU hosts' version.
+PINS := torch==2.13.0 triton==3.6.0
+
+.PHONY: venv sshd demo test clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(PINS) -e '.[test]'
+	touch $@
+
+# Debian's openssh-server, for the sandbox hosts (fresh machine, run as root).
+sshd:
+	@test -x /usr/sbin/sshd || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server; }
+
+demo: venv sshd
+	$(BIN)/python -m flows.demo
+
+test: venv sshd
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .sandbox

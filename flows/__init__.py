@@ -1,0 +1,1 @@
+"""kdbench controller: inventory, SSH, Prefect flows, projection, notes, CLI."""
