@@ -9,3 +9,15 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+
+from flows.hosts_cli import hosts_app  # noqa: E402
+from flows.sandbox_cli import sandbox_app  # noqa: E402
+from flows.notes_cli import backtest_cmd, notes  # noqa: E402
+from flows.serve import serve, server  # noqa: E402
+
+app.add_typer(hosts_app, name="hosts")
+app.add_typer(sandbox_app, name="sandbox")
+app.command("notes")(notes)
+app.command("backtest")(backtest_cmd)
+app.command("serve")(serve)
+app.command("server")(server)

@@ -1,0 +1,122 @@
+"""`python -m engine.bench`: run one suite on this host and write Arrow results as points complete.
+
+    python -m engine.bench --suite kernels|e2e|comm --profile smoke|full --host NAME --out DIR
+                           [--run-id ID] [--payload-hash H] [--device auto|cuda|cpu] [--layers N]
+
+Writes DIR/<suite>.arrow and DIR/runs.arrow after every point (status "partial" until the suite
+ends) plus DIR/manifest.json, and prints one `KDBENCH {json}` line per point and one at the end.
+Exit 0 when done, 2 on bad usage or device, 143/130 when stopped by SIGTERM/SIGINT (files stay
+readable, status "partial").
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from engine import bench_comm, bench_e2e, bench_kernels
+from engine.env import UsageError, facts, fail, now_iso, pick_device
+from engine.results import SuiteWriter, Terminated, install_signal_handlers
+from engine.timing import copy_gbps, matmul_tflops
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", required=True, choices=("kernels", "e2e", "comm"))
+    ap.add_argument("--profile", required=True, choices=("smoke", "full"),
+                    help="smoke: a few points (CPU: k2-mini, seconds); full: the whole sweep")
+    ap.add_argument("--host", required=True, help="inventory name of this host (recorded, not contacted)")
+    ap.add_argument("--out", required=True, type=Path, help="directory for the .arrow files and manifest.json")
+    ap.add_argument("--run-id", help="defaults to <host>-<UTC timestamp>")
+    ap.add_argument("--payload-hash", help="content hash of the deployed payload (recorded)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    ap.add_argument("--layers", type=int, help="e2e: target layers (default: profile's, k2 uses 2)")
+    ap.add_argument("--vocab", type=int, help="e2e: smaller lm-head vocab if memory demands (recorded)")
+    a = ap.parse_args(argv)
+    a.run_id = a.run_id or f"{a.host}-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}"
+    for flag, v in (("--host", a.host), ("--run-id", a.run_id), ("--payload-hash", a.payload_hash)):
+        if v is not None and not _NAME.match(v):
+            raise UsageError(f"{flag} {v!r}: use letters, digits, '.', '_', '-' (at most 128)")
+    if a.layers is not None and a.layers < 1:
+        raise UsageError(f"--layers must be >= 1, got {a.layers}")
+    return a
+
+
+def provenance(a: argparse.Namespace, f: dict, device: torch.device) -> dict:
+    return {"run_id": a.run_id, "host": a.host, "gpu_name": f["gpu_name"],
+            "gpu_count": f["gpu_count"], "driver": f["driver"], "cuda": f["cuda"], "torch": f["torch"],
+            "triton": f["triton"], "python": f["python"], "payload_hash": a.payload_hash,
+            "arch": f["arch_found"], "device": device.type, "started_at": now_iso(), "ended_at": None}
+
+
+def run_suite(a: argparse.Namespace, device: torch.device, prov: dict) -> int:
+    key = (device.type, a.profile)
+    if a.suite == "comm":
+        reason = bench_comm.skip_reason(device)
+        n = 0 if reason else len(bench_comm.OPS) * len(bench_comm.SIZES[a.profile])
+        w = SuiteWriter(a.out, "comm", a.profile, prov, max(n, 1))
+        w.start(copy_gbps=copy_gbps(device), matmul_tflops=matmul_tflops(device))
+        if reason:
+            w.add({"op": "all_reduce", "world_size": torch.cuda.device_count() if device.type == "cuda" else 0,
+                   "bytes": 0, "status": "skipped", "skip_reason": reason})
+            w.finish("skipped", reason)
+            return 0
+        return _loop(w, [(f"{i}", None) for i in range(n)], lambda on: bench_comm.run(a.profile, on))
+    if a.suite == "kernels":
+        kb = bench_kernels.KernelBench(bench_kernels.PROFILES[key], device)
+        points, note = kb.points(), f"kernels at {kb.p.cfg.name} shapes, {str(kb.dtype).removeprefix('torch.')}"
+    else:
+        eb = bench_e2e.E2EBench(bench_e2e.PROFILES[key], device, layers=a.layers, vocab=a.vocab)
+        points, note = eb.points(), eb.note()
+    if device.type == "cpu":
+        note += "; CPU timings (perf_counter), matmul_tflops is float32"
+    w = SuiteWriter(a.out, a.suite, a.profile, prov, len(points))
+    w.start(copy_gbps=copy_gbps(device), matmul_tflops=matmul_tflops(device), note=note)
+    return _loop(w, points, None)
+
+
+def _loop(w: SuiteWriter, points: list, driver) -> int:
+    """Run the points (or let `driver` push rows), writing each; SIGTERM leaves status partial."""
+    try:
+        if driver is not None:
+            driver(w.add)
+        else:
+            for _label, fn in points:
+                w.add(fn())
+    except Terminated as t:
+        w.finish("partial", f"stopped by signal {t.args[0]} after {len(w.rows)} of {w.n} points")
+        return 128 + int(t.args[0])
+    except Exception as e:  # a failing point ends the suite but keeps what was measured
+        traceback.print_exc()
+        w.finish("partial", f"failed after {len(w.rows)} of {w.n} points: {type(e).__name__}: {e}"[:500])
+        return 1
+    w.finish("complete")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    install_signal_handlers()
+    try:
+        a = parse(argv)
+        f = facts()
+        device = pick_device(a.device, f)
+    except UsageError as e:
+        fail(str(e))
+    prov = provenance(a, f, device)
+    try:
+        return run_suite(a, device, prov)
+    except Terminated as t:
+        return 128 + int(t.args[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

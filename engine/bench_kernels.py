@@ -1,0 +1,216 @@
+"""The kernels suite: MoE W4A16 GEMM, tree-verify MLA attention, tree build, tree accept.
+
+CUDA runs K2 shapes (impl "auto", i.e. Triton where a kernel exists, plus the torch reference at
+a few points so the speedup shows); the CPU runs k2-mini shapes on the references. Every point
+carries the bytes it must move and the flops it must do, so it reads against the run's ceilings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from engine.config import K2, K2_MINI, ModelConfig
+from engine.model import Init
+from engine.timing import Timing, time_op
+from kernels import ops, reference
+
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class KernelProfile:
+    cfg: ModelConfig
+    moe_m: tuple[int, ...]
+    moe_torch_m: tuple[int, ...]  # where the torch reference is timed too
+    attn: tuple[tuple[int, int, int], ...]  # (batch, budget, context)
+    attn_torch: tuple[tuple[int, int, int], ...]
+    tree: tuple[tuple[int, int], ...]  # (batch, budget)
+    repeats: int
+    torch_repeats: int
+
+
+PROFILES: dict[tuple[str, str], KernelProfile] = {
+    ("cuda", "full"): KernelProfile(
+        K2, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), (1, 32),
+        tuple((b, n, c) for b in (1, 8) for n in (16, 64, 256, 1024) for c in (1024, 4096, 16384, 65536)),
+        ((1, 64, 4096), (1, 256, 4096)),
+        tuple((b, n) for b in (1, 16) for n in (16, 64, 256, 1024)), repeats=50, torch_repeats=5),
+    ("cuda", "smoke"): KernelProfile(
+        K2, (1, 16, 128), (16,), ((1, 16, 4096), (1, 256, 4096)), ((1, 64, 4096),),
+        ((1, 64), (16, 256)), repeats=10, torch_repeats=3),
+    ("cpu", "full"): KernelProfile(
+        K2_MINI, (1, 2, 4, 8, 16, 32, 64, 128), (),
+        tuple((b, n, c) for b in (1, 4) for n in (16, 64, 256) for c in (256, 1024)), (),
+        tuple((b, n) for b in (1, 8) for n in (16, 64, 256)), repeats=10, torch_repeats=3),
+    ("cpu", "smoke"): KernelProfile(
+        K2_MINI, (1, 8, 32), (), ((1, 16, 128), (2, 64, 256)), (), ((1, 16), (4, 64)),
+        repeats=5, torch_repeats=3),
+}
+
+
+def resolved_impl(impl: str, module: str, device: torch.device) -> str:
+    """What "auto" actually ran: the impl column names the code that was timed."""
+    if impl != "auto":
+        return impl
+    return "triton" if device.type == "cuda" and ops.triton_module(module) is not None else "torch"
+
+
+def expected_experts(e: int, k: int, m: int) -> float:
+    return e * (1 - (1 - k / e) ** m)
+
+
+def _timing_cols(t: Timing, nbytes: float, flops: float) -> Row:
+    s = t.p50_us * 1e-6
+    return {"time_us_p10": t.p10_us, "time_us_p50": t.p50_us, "time_us_p90": t.p90_us,
+            "repeats": t.repeats, "bytes": float(nbytes), "flops": float(flops),
+            "achieved_gbps": nbytes / s / 1e9, "achieved_tflops": flops / s / 1e12}
+
+
+class KernelBench:
+    """Builds each point's inputs on the device and times one op on them."""
+
+    def __init__(self, prof: KernelProfile, device: torch.device, seed: int = 0):
+        self.p, self.dev, self.seed = prof, device, seed
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.ini = Init(seed, device, self.dtype)
+        self.gen = torch.Generator(device=device).manual_seed(seed + 1)
+        self._moe: tuple[torch.Tensor, ...] | None = None
+
+    def reseed(self) -> None:
+        """Restart the input generators, so two impls can be given identical inputs."""
+        self.moe_weights()
+        self.ini.gen.manual_seed(self.seed)
+        self.gen.manual_seed(self.seed + 1)
+
+    def points(self) -> list[tuple[str, Callable[[], Row]]]:
+        p = self.p
+        pts: list[tuple[str, Callable[[], Row]]] = []
+        for m in p.moe_m:
+            pts.append(("moe_w4a16", lambda m=m: self.moe(m, "auto")))
+            if m in p.moe_torch_m:
+                pts.append(("moe_w4a16", lambda m=m: self.moe(m, "torch")))
+        for b, n, c in p.attn:
+            pts.append(("mla_tree_attention", lambda b=b, n=n, c=c: self.attention(b, n, c, "auto")))
+        for b, n, c in p.attn_torch:
+            pts.append(("mla_tree_attention", lambda b=b, n=n, c=c: self.attention(b, n, c, "torch")))
+        for b, n in p.tree:
+            pts.append(("build_tree", lambda b=b, n=n: self.tree_build(b, n)))
+        for b, n in p.tree:
+            pts.append(("tree_accept", lambda b=b, n=n: self.tree_accept(b, n)))
+        return pts
+
+    # ------------------------------------------------------------------ MoE
+    def moe_weights(self) -> tuple[torch.Tensor, ...]:
+        if self._moe is None:
+            c = self.p.cfg
+            w13 = self.ini.int4(c.experts, 2 * c.moe_inter, c.hidden)
+            w2 = self.ini.int4(c.experts, c.hidden, c.moe_inter)
+            self._moe = (*w13, *w2)
+        return self._moe
+
+    def moe_inputs(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [M, H] and a random top-k routing (ids, weights) over all experts."""
+        c = self.p.cfg
+        x = self.ini.normal(m, c.hidden, std=1.0)
+        scores = torch.rand(m, c.experts, generator=self.gen, device=self.dev)
+        tw, ids = scores.topk(c.top_k, dim=-1)
+        return x, ids, (tw / tw.sum(-1, keepdim=True)).float()
+
+    def moe(self, m: int, impl: str) -> Row:
+        c = self.p.cfg
+        w = self.moe_weights()
+        x, ids, tw = self.moe_inputs(m)
+        reps = self.p.repeats if impl == "auto" else self.p.torch_repeats
+        t = time_op(lambda: ops.moe_w4a16(x, *w, ids, tw, impl=impl), self.dev, reps)
+        h, i, e, k = c.hidden, c.moe_inter, c.experts, c.top_k
+        unique = int(ids.unique().numel())
+        per_expert = 3 * h * i / 2 + 3 * h * i / 32 * 2  # int4 codes + bf16 scales
+        act = x.element_size()
+        nbytes = unique * per_expert + 2 * m * h * act + m * k * (8 + 4)
+        return {"kernel": "moe_w4a16", "impl": resolved_impl(impl, "moe_gemm", self.dev),
+                "dtype": str(self.dtype).removeprefix("torch."), "device": self.dev.type,
+                "M": m, "N": 2 * i, "K": h, "E": e, "top_k": k, "unique_experts": unique,
+                "expected_experts": expected_experts(e, k, m),
+                **_timing_cols(t, nbytes, 2 * m * k * 3 * h * i)}
+
+    # ------------------------------------------------------------------ trees
+    def draft(self, batch: int, budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Drafter-like inputs: sorted top-k log-probs and tokens per position, root tokens."""
+        c = self.p.cfg
+        raw = torch.randn(batch, c.draft_len, c.draft_topk, generator=self.gen, device=self.dev)
+        lp = torch.log_softmax(raw * 2, -1).sort(-1, descending=True).values
+        tok = torch.randint(0, c.vocab, (batch, c.draft_len, c.draft_topk), generator=self.gen, device=self.dev)
+        root = torch.randint(0, c.vocab, (batch,), generator=self.gen, device=self.dev)
+        return lp, tok, root
+
+    def tree(self, batch: int, budget: int) -> ops.Tree:
+        lp, tok, root = self.draft(batch, budget)
+        return reference.build_tree(lp, tok, root, budget)
+
+    def tree_build(self, batch: int, budget: int) -> Row:
+        lp, tok, root = self.draft(batch, budget)
+        c = self.p.cfg
+        t = time_op(lambda: ops.build_tree(lp, tok, root, budget), self.dev, self.p.repeats, graph=False)
+        n = budget + 1
+        nbytes = batch * c.draft_len * c.draft_topk * 12 + batch * n * 28 + batch * n * n
+        return {"kernel": "build_tree", "impl": resolved_impl("auto", "tree_build", self.dev),
+                "dtype": "float32", "device": self.dev.type, "budget": budget, "batch": batch,
+                "K": c.draft_topk, "N": c.draft_len,
+                **_timing_cols(t, nbytes, batch * budget)}  # flops: one score add per node
+
+    def accept_inputs(self, batch: int, budget: int) -> tuple[ops.Tree, torch.Tensor]:
+        """A real tree and a target argmax that agrees with each node's first child (a deep walk)."""
+        tree = self.tree(batch, budget)
+        n = budget + 1
+        first = torch.full((batch, n), n, dtype=torch.int64, device=self.dev)
+        idx = torch.arange(1, n, device=self.dev).expand(batch, -1)
+        first.scatter_reduce_(1, tree.parents[:, 1:], idx, reduce="amin")
+        rand = torch.randint(0, self.p.cfg.vocab, (batch, n), generator=self.gen, device=self.dev)
+        return tree, torch.where(first < n, tree.tokens.gather(1, first.clamp(max=n - 1)), rand)
+
+    def tree_accept(self, batch: int, budget: int) -> Row:
+        tree, want = self.accept_inputs(batch, budget)
+        n = budget + 1
+        t = time_op(lambda: ops.tree_accept(tree, want), self.dev, self.p.repeats, graph=False)
+        nbytes = batch * n * 8 * 3 + batch * (self.p.cfg.draft_len + 3) * 8
+        return {"kernel": "tree_accept", "impl": resolved_impl("auto", "tree_accept", self.dev),
+                "dtype": "int64", "device": self.dev.type, "budget": budget, "batch": batch,
+                **_timing_cols(t, nbytes, batch * n)}  # flops: one token compare per node
+
+    # ------------------------------------------------------------------ attention
+    def attention_inputs(self, batch: int, budget: int, context: int) -> tuple:
+        """Latent queries for B+1 tree tokens over a context-row prefix, with a real DDTree mask."""
+        c = self.p.cfg
+        n = budget + 1
+        hh, dl, dr = c.heads, c.kv_lora, c.rope_dim
+        q_nope = self.ini.normal(batch, n, hh, dl, std=1.0)
+        q_rope = self.ini.normal(batch, n, hh, dr, std=1.0)
+        ckv = self.ini.normal(batch, context + n, dl, std=1.0)
+        kpe = self.ini.normal(batch, context + n, dr, std=1.0)
+        lens = torch.full((batch,), context, dtype=torch.int64, device=self.dev)
+        return q_nope, q_rope, ckv, kpe, lens, self.tree(batch, budget).mask, 1.0 / (c.qk_dim ** 0.5)
+
+    def attention(self, batch: int, budget: int, context: int, impl: str) -> Row:
+        c = self.p.cfg
+        n = budget + 1
+        hh, dl, dr = c.heads, c.kv_lora, c.rope_dim
+        q_nope, q_rope, ckv, kpe, lens, mask, scale = self.attention_inputs(batch, budget, context)
+        if impl == "torch":  # the plain-PyTorch baseline, in the input dtype
+            fn = lambda: reference.mla_tree_attention(q_nope, q_rope, ckv, kpe, lens, mask, scale,  # noqa: E731
+                                                      compute_dtype=self.dtype)
+            reps = self.p.torch_repeats
+        else:
+            fn = lambda: ops.mla_tree_attention(q_nope, q_rope, ckv, kpe, lens, mask, scale)  # noqa: E731
+            reps = self.p.repeats
+        t = time_op(fn, self.dev, reps)
+        el = q_nope.element_size()
+        s = context + n
+        nbytes = batch * (s * (dl + dr) * el + n * hh * (2 * dl + dr) * el + n * n)
+        flops = 2 * batch * n * hh * s * (2 * dl + dr)  # the tree block counted dense
+        return {"kernel": "mla_tree_attention", "impl": resolved_impl(impl, "mla_verify", self.dev),
+                "dtype": str(self.dtype).removeprefix("torch."), "device": self.dev.type,
+                "budget": budget, "context": context, "batch": batch, "N": hh, "K": dl + dr,
+                **_timing_cols(t, nbytes, flops)}

@@ -1,0 +1,133 @@
+"""`python -m engine.build --arch ARCH --out DIR`: warm and check every kernel the benches use.
+
+On a GPU: each Triton kernel runs at every shape the kernels and e2e suites will ask for (so
+the Triton cache is warm before anything is timed) and is compared with its PyTorch reference at
+a few of them: status "ok" or "mismatch" (with the worst relative error), "reference" where no
+Triton kernel exists (the engine then runs the reference), "error" when it raised. On the CPU
+(`--arch cpu`): the references run at the CPU bench shapes, status "reference".
+Writes DIR/build.json; exit 0 when nothing mismatched or failed, 1 otherwise, 2 on a wrong arch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from engine import bench_e2e, bench_kernels
+from engine.bench_kernels import KernelBench
+from engine.env import UsageError, check_arch, facts, fail, now_iso
+from kernels import ops
+
+ARCHES = ("sm_90", "sm_100", "sm_103", "sm_120", "cpu")
+MODULES = {"moe_w4a16": "moe_gemm", "mla_tree_attention": "mla_verify",
+           "build_tree": "tree_build", "tree_accept": "tree_accept"}
+TOL = {"moe_w4a16": 3e-2, "mla_tree_attention": 3e-2}  # bf16 kernels vs float32 references
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    g, w = got.float(), want.float()
+    return float((g - w).abs().max() / w.abs().max().clamp(min=1e-12))
+
+
+def tree_err(a: ops.Tree | tuple, b: ops.Tree | tuple) -> float:
+    """0.0 when the integer outputs agree exactly (the tree ops must be bit-identical), else 1.0."""
+    fa = [a.tokens, a.parents, a.depths, a.mask] if isinstance(a, ops.Tree) else list(a)
+    fb = [b.tokens, b.parents, b.depths, b.mask] if isinstance(b, ops.Tree) else list(b)
+    return 0.0 if all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(fa, fb)) else 1.0
+
+
+def cases(kb: KernelBench, device: torch.device) -> dict[str, list[tuple[Callable[[str], Any], bool]]]:
+    """Per kernel: (run(impl), compare-with-reference?) at every bench shape."""
+    p = kb.p
+    out: dict[str, list] = {k: [] for k in MODULES}
+    moe_m = sorted(set(p.moe_m) | _e2e_moe_m(device))
+    for m in moe_m:
+        def moe(impl: str, m: int = m) -> Any:
+            x, ids, tw = kb.moe_inputs(m)
+            return ops.moe_w4a16(x, *kb.moe_weights(), ids, tw, impl=impl)
+        out["moe_w4a16"].append((moe, m in (1, 16, 128) or m == moe_m[0]))
+    for b, n, c in p.attn:
+        def att(impl: str, b: int = b, n: int = n, c: int = c) -> Any:
+            return ops.mla_tree_attention(*kb.attention_inputs(b, n, c), impl=impl)
+        out["mla_tree_attention"].append((att, c <= 4096 and n <= 256))
+    for b, n in p.tree:
+        out["build_tree"].append((lambda impl, b=b, n=n: ops.build_tree(*kb.draft(b, n), n, impl=impl), True))
+        out["tree_accept"].append((lambda impl, b=b, n=n: ops.tree_accept(*kb.accept_inputs(b, n), impl=impl), True))
+    return out
+
+
+def _e2e_moe_m(device: torch.device) -> set[int]:
+    """Token counts the e2e suite sends through the MoE: C*(B+1) per verify, C per plain decode step."""
+    ms: set[int] = set()
+    for prof in (bench_e2e.PROFILES[(device.type, "smoke")], bench_e2e.PROFILES[(device.type, "full")]):
+        for c in prof.concurrency:
+            ms.add(c)
+            ms.update(c * (b + 1) for b in prof.budgets)
+    return ms if device.type == "cuda" else set()
+
+
+def check(name: str, runs: list[tuple[Callable[[str], Any], bool]], kb: KernelBench) -> dict[str, Any]:
+    """Run one kernel at all its shapes; compare against the reference where asked."""
+    device = kb.dev
+    if device.type == "cpu" or ops.triton_module(MODULES[name]) is None:
+        try:
+            for run, _ in runs[:2] if device.type == "cuda" else runs:
+                run("torch")
+        except Exception as e:  # report, keep checking the others
+            return {"status": "error", "rel_err": None, "detail": f"{type(e).__name__}: {e}"[:300]}
+        return {"status": "reference", "rel_err": None, "shapes": len(runs)}
+    worst = 0.0
+    try:
+        for run, compare in runs:
+            kb.reseed()
+            got = run("triton")
+            if compare:
+                kb.reseed()
+                want = run("torch")
+                err = tree_err(got, want) if name in ("build_tree", "tree_accept") else rel_err(got, want)
+                worst = max(worst, err)
+        torch.cuda.synchronize()
+    except Exception as e:
+        traceback.print_exc()
+        return {"status": "error", "rel_err": None, "detail": f"{type(e).__name__}: {e}"[:300]}
+    ok = worst <= TOL.get(name, 0.0)
+    return {"status": "ok" if ok else "mismatch", "rel_err": worst, "shapes": len(runs)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.build", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", required=True, choices=ARCHES, help="the arch the inventory says this host has")
+    ap.add_argument("--out", required=True, type=Path, help="directory for build.json")
+    a = ap.parse_args(argv)
+    f = facts()
+    try:
+        check_arch(a.arch, f)
+    except UsageError as e:
+        fail(str(e))
+    started = now_iso()
+    device = torch.device("cuda", 0) if f["device"] == "cuda" else torch.device("cpu")
+    kb = KernelBench(bench_kernels.PROFILES[(device.type, "full")], device)
+    kernels = {name: check(name, runs, kb) for name, runs in cases(kb, device).items()}
+    body = {"arch_asked": a.arch, "device_found": {k: f[k] for k in ("device", "arch_found", "gpu_name", "gpu_count")},
+            "versions": {k: f[k] for k in ("torch", "triton", "cuda", "driver", "python")},
+            "started_at": started, "ended_at": now_iso(), "kernels": kernels}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "build.json").write_text(json.dumps(body, indent=1, sort_keys=True))
+    bad = [k for k, v in kernels.items() if v["status"] in ("mismatch", "error")]
+    for k, v in kernels.items():
+        print(f"{k}: {v['status']}" + (f" (rel_err {v['rel_err']:.2e})" if v.get("rel_err") is not None else ""))
+    if bad:
+        print(f"error: kernels failed their check: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Incremental result files: every point rewrites its table and the run's row, atomically.
+
+A run killed by SIGKILL leaves the files of its last completed point (status "partial"); SIGTERM
+is deferred while a file is being written, then ends the run with a note, so the manifest always
+matches the files it names.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from engine import schema
+from engine.env import now_iso
+
+
+class Terminated(Exception):
+    """SIGTERM (or SIGINT) arrived; raised outside of file writes only."""
+
+
+_depth = 0
+_pending: int | None = None
+
+
+def _on_signal(signum: int, _frame: object) -> None:
+    global _pending
+    if _depth:
+        _pending = signum
+    else:
+        raise Terminated(signum)
+
+
+def install_signal_handlers() -> None:
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+
+
+@contextmanager
+def _critical() -> Iterator[None]:
+    global _depth, _pending
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+    if not _depth and _pending is not None:
+        signum, _pending = _pending, None
+        raise Terminated(signum)
+
+
+def progress(event: dict[str, Any]) -> None:
+    """One machine-readable line for the controller streaming stdout."""
+    print("KDBENCH " + json.dumps(event, sort_keys=True, default=str), flush=True)
+
+
+class SuiteWriter:
+    """Owns <suite>.arrow and this suite's row of runs.arrow for one run."""
+
+    def __init__(self, out_dir: Path, suite: str, profile: str, prov: dict[str, Any], n_points: int):
+        self.out, self.suite, self.profile, self.n = Path(out_dir), suite, profile, n_points
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.prov = dict(prov)
+        self.rows: list[dict[str, Any]] = []
+        self.run_row: dict[str, Any] = {}
+        self.other_runs = self._other_runs()
+
+    def _other_runs(self) -> list[dict[str, Any]]:
+        """Rows other suites left in runs.arrow of this directory (a later suite appends its own)."""
+        path = self.out / "runs.arrow"
+        if not path.exists():
+            return []
+        try:
+            rows = schema.read_table(path).to_pylist()
+        except schema.SchemaError:
+            return []
+        return [r for r in rows if (r["run_id"], r["suite"]) != (self.prov["run_id"], self.suite)]
+
+    def _write(self, status: str) -> None:
+        self.prov["ended_at"] = now_iso()
+        run = {k: self.prov.get(k) for k in schema.PROVENANCE_KEYS}
+        run.update(self.run_row, suite=self.suite, profile=self.profile, status=status,
+                   points=len(self.rows), source="measured")
+        with _critical():
+            schema.write_table(self.out, schema.to_table(self.suite, self.rows, self.prov))
+            schema.write_table(self.out, schema.to_table("runs", self.other_runs + [run], self.prov))
+
+    def start(self, **run_fields: Any) -> None:
+        """First write: the runs row (with ceilings) and an empty suite table, status partial."""
+        self.run_row.update(run_fields)
+        self._write("partial")
+
+    def add(self, row: dict[str, Any], summary: dict[str, Any] | None = None) -> None:
+        row = {"run_id": self.prov["run_id"], "source": "measured", **row}
+        self.rows.append(row)
+        self._write("partial")
+        progress({"event": "point", "suite": self.suite, "i": len(self.rows), "n": self.n,
+                  **(summary if summary is not None else row)})
+
+    def finish(self, status: str, note: str | None = None) -> None:
+        if note:
+            self.run_row["note"] = "; ".join(x for x in (self.run_row.get("note"), note) if x)
+        self._write(status)
+        progress({"event": "done", "suite": self.suite, "status": status, "points": len(self.rows)})

@@ -1,0 +1,111 @@
+"""Kernel timing and the device's own ceilings.
+
+On CUDA: warm-up, then per repeat an L2 flush (a buffer larger than L2 is zeroed) followed by a
+pair of device events around the op, replayed from a CUDA graph when the op allows capture
+(launch gaps would otherwise dominate small ops), eager otherwise. On the CPU: perf_counter
+around each call; those rows carry device "cpu".
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+FLUSH_BYTES = 256 << 20  # > L2 of every GPU in the fleet (H200 50 MB, B300 ~128 MB)
+
+
+@dataclass
+class Timing:
+    p10_us: float
+    p50_us: float
+    p90_us: float
+    repeats: int
+    graph: bool
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    s = sorted(xs)
+    if not s:
+        raise ValueError("percentile of an empty list")
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _summary(us: list[float], graph: bool) -> Timing:
+    return Timing(percentile(us, 10), percentile(us, 50), percentile(us, 90), len(us), graph)
+
+
+def _try_graph(fn: Callable[[], object], device: torch.device) -> "torch.cuda.CUDAGraph | None":
+    """Capture fn in a CUDA graph, or None when it cannot be captured (host syncs, CPU work)."""
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        torch.cuda.synchronize(device)
+        return g
+    except Exception:  # capture is best effort: any failure means eager timing
+        torch.cuda.synchronize(device)
+        return None
+
+
+def time_op(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3,
+            graph: bool = True, flush: bool = True) -> Timing:
+    """Per-call time of fn on `device` (see module doc)."""
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        us = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            us.append((time.perf_counter() - t) * 1e6)
+        return _summary(us, False)
+    torch.cuda.synchronize(device)
+    g = _try_graph(fn, device) if graph else None
+    run = g.replay if g is not None else fn
+    scratch = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if flush else None
+    pairs = []
+    for _ in range(repeats):
+        if scratch is not None:
+            scratch.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        pairs.append((a, b))
+    torch.cuda.synchronize(device)
+    return _summary([a.elapsed_time(b) * 1e3 for a, b in pairs], g is not None)
+
+
+def copy_gbps(device: torch.device) -> float:
+    """Device copy bandwidth in GB/s, counting bytes read + written (1 GiB on CUDA, 64 MiB on CPU)."""
+    n = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    t = time_op(lambda: dst.copy_(src), device, repeats=20 if device.type == "cuda" else 5,
+                graph=False, flush=False)
+    return 2 * n / (t.p50_us * 1e-6) / 1e9
+
+
+def matmul_tflops(device: torch.device) -> float:
+    """Dense matmul rate: bf16 8192^3 on CUDA, float32 1024^3 on the CPU (bf16 is emulated there)."""
+    if device.type == "cuda":
+        n, dtype = 8192, torch.bfloat16
+    else:
+        n, dtype = 1024, torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t = time_op(lambda: a @ b, device, repeats=20 if device.type == "cuda" else 5, graph=False, flush=False)
+    return 2 * n**3 / (t.p50_us * 1e-6) / 1e12

@@ -1,0 +1,457 @@
+"""The Prefect flows: `bench` (one host, deployed as `bench/<host>`) and `fleet` (every host).
+
+One run of `bench`:
+    load the host -> retired? -------------------------------------------> project -> notes
+    probe (pinned key, bounded retries for unreachable/timeout)
+      unauthorized | host_key_changed -> retire in the YAML -----------> project -> notes
+      unreachable | timeout -> count it (released after N runs) --------> project -> notes
+      ok -> deploy -> build -> bench kernels -> e2e (-> comm) -> pull -> ingest -> notes
+Every branch ends COMPLETED with notes; only a failed build or a real bug ends FAILED.
+
+Two runs on one host never overlap: the flow holds the Prefect global concurrency limit
+`kdbench-host-<host>` (limit 1, created on first use) for the whole run. It lives on the Prefect
+server, so it holds across serve processes and workers on different machines, and a slot held by
+a crashed process is freed when its lease expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import tempfile
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NONE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
+from prefect.context import FlowRunContext
+from prefect.deployments.flow_runs import arun_deployment
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from pydantic import BaseModel
+
+from flows import deploy as deploy_mod
+from flows import notes as notes_mod
+from flows import projection
+from flows.inventory import Host, host_path, load_host, load_inventory, now, retire, update_host
+from flows.pull import Pulled, pull, quarantine
+from flows.settings import Settings
+from flows.ssh import ProbeResult, Remote, RemoteError, probe
+from flows.store import Store
+
+NOTES_LIMIT = "kdbench-notes"
+_EVENT = "KDBENCH "
+
+
+class BuildFailed(RuntimeError):
+    """engine.build failed on the host: the run fails, with the build log attached as an artifact."""
+
+
+class SuiteResult(BaseModel):
+    suite: str
+    status: str  # complete | partial | failed | timeout
+    rc: int
+    elapsed_s: float
+    points: int
+
+
+class RunReport(BaseModel):
+    """What one bench run did; published as the run's artifacts and returned by the flow."""
+
+    host: str
+    route: str  # measured | retired | unauthorized | host_key_changed | host_key_unknown | unreachable | timeout
+    outcome: str  # measured | partial | projected | unmeasured
+    detail: str = ""
+    run_id: str | None = None  # the measured run
+    projected_run_id: str | None = None
+    payload_hash: str | None = None
+    uploaded: bool | None = None
+    suites: list[SuiteResult] = []
+    results: str | None = None  # store-relative partition of the run
+    quarantined: dict[str, str] = {}
+    headline: list[str] = []
+    notes: list[str] = []
+    commit: str | None = None
+
+
+def limit_name(host: str) -> str:
+    return f"kdbench-host-{host}"
+
+
+def ensure_limit(name: str, limit: int = 1) -> None:
+    """Global concurrency limits must exist before they can be held; create it once."""
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=limit))
+            except ObjectAlreadyExists:
+                pass
+
+
+@contextmanager
+def held(name: str) -> Iterator[None]:
+    ensure_limit(name)
+    with concurrency(name, occupy=1, strict=True):
+        yield
+
+
+def _run_id() -> str:
+    ctx = FlowRunContext.get()
+    suffix = str(ctx.flow_run.id)[:8] if ctx and ctx.flow_run else f"{time.time_ns() % 10**8:08d}"
+    return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{suffix}"
+
+
+def _key(prefix: str, host: str) -> str:
+    """Artifact keys allow lower-case letters, digits and dashes only."""
+    return f"{prefix}-" + re.sub(r"[^a-z0-9-]", "-", host.lower())
+
+
+# -- tasks ------------------------------------------------------------------------------------
+
+@task(name="probe", cache_policy=NONE)
+def probe_host(host: Host, hosts_dir: Path, retries: int, backoff_s: float) -> ProbeResult:
+    """Unreachable and timeout get bounded retries with exponential backoff; other outcomes are final."""
+    log = get_run_logger()
+    for attempt in range(retries + 1):
+        res = probe(host, hosts_dir)
+        log.info("probe %s: %s (%s) in %.1f s", host.name, res.outcome, res.detail, res.elapsed_s)
+        for m in res.mismatches:
+            log.warning("inventory mismatch on %s: %s", host.name, m)
+        if res.outcome not in ("unreachable", "timeout") or attempt == retries:
+            return res
+        delay = backoff_s * 2 ** attempt
+        log.warning("%s %s; retry %d/%d in %.1f s", host.name, res.outcome, attempt + 1, retries, delay)
+        time.sleep(delay)
+    raise AssertionError("unreachable code")
+
+
+@task(name="deploy", cache_policy=NONE)
+def deploy_payload(remote: Remote, host: Host) -> deploy_mod.Deployed:
+    log = get_run_logger()
+    with tempfile.TemporaryDirectory(prefix="kdbench-payload-") as tmp:
+        payload = deploy_mod.build_payload(Path(tmp))
+        log.info("payload %s (%d bytes)", payload.sha256[:12], payload.path.stat().st_size)
+        return deploy_mod.deploy(remote, host, payload, log, on_line=lambda line: log.info("%s", line))
+
+
+@task(name="build", cache_policy=NONE)
+def build(remote: Remote, host: Host, dep: deploy_mod.Deployed, run_dir: str, timeout_s: float) -> dict[str, Any]:
+    """engine.build for the host's arch; a failure attaches the log and fails the run."""
+    log = get_run_logger()
+    lines: list[str] = []
+
+    def on_line(line: str) -> None:
+        lines.append(line)
+        log.info("[build] %s", line)
+
+    out = f"{run_dir}/build"
+    res = remote.run([dep.python, "-m", "engine.build", "--arch", host.arch, "--out", out],
+                     timeout_s=timeout_s, cwd=dep.payload_dir, on_line=on_line)
+    if res.rc != 0 or res.timed_out:
+        tail = "\n".join(lines[-200:])
+        create_markdown_artifact(
+            key=_key("build-log", host.name),
+            markdown=f"# Build failed on {host.name}\n\nexit status {res.rc}"
+                     f"{' (timed out)' if res.timed_out else ''}, arch {host.arch}\n\n```\n{tail}\n```\n",
+            description=f"engine.build log of {host.name}",
+        )
+        raise BuildFailed(f"engine.build failed on {host.name} (exit {res.rc}); the build log is the "
+                          f"'{_key('build-log', host.name)}' artifact")
+    with tempfile.TemporaryDirectory() as tmp:
+        remote.get(f"{out}/build.json", Path(tmp) / "build.json")
+        info = json.loads((Path(tmp) / "build.json").read_text())
+    kernels = info.get("kernels", {}) if isinstance(info, dict) else {}
+    log.info("build on %s: %d kernels, %s", host.name, len(kernels),
+             ", ".join(f"{k} {v.get('status')}" for k, v in sorted(kernels.items()) if isinstance(v, dict)))
+    return info
+
+
+@task(name="bench", task_run_name="bench-{suite}", cache_policy=NONE)
+def bench_suite(remote: Remote, host: Host, dep: deploy_mod.Deployed, suite: str, profile: str,
+                run_id: str, out_dir: str, timeout_s: float) -> SuiteResult:
+    """Run one suite; its output streams into the logs line by line as the host prints it."""
+    log = get_run_logger()
+    seen = {"points": 0, "status": None}
+
+    def on_line(line: str) -> None:
+        if line.startswith(_EVENT):
+            try:
+                ev = json.loads(line[len(_EVENT):])
+            except ValueError:
+                ev = {}
+            if isinstance(ev, dict) and ev.get("event") == "point":
+                seen["points"] += 1
+            elif isinstance(ev, dict) and ev.get("event") == "done":
+                seen["status"] = ev.get("status")
+        log.info("[%s] %s", suite, line)
+
+    argv = [dep.python, "-m", "engine.bench", "--suite", suite, "--profile", profile, "--host", host.name,
+            "--out", out_dir, "--run-id", run_id, "--payload-hash", dep.payload_hash]
+    res = remote.run(argv, timeout_s=timeout_s, cwd=dep.payload_dir, on_line=on_line)
+    if res.timed_out:
+        status = "timeout"
+        log.warning("%s on %s timed out after %.0f s: the remote process group was killed; "
+                    "what it measured will still be pulled", suite, host.name, timeout_s)
+    elif res.rc != 0:
+        status = "failed"
+        log.error("%s on %s exited %d", suite, host.name, res.rc)
+    else:
+        status = str(seen["status"] or "complete")
+    return SuiteResult(suite=suite, status=status, rc=res.rc, elapsed_s=res.elapsed_s, points=seen["points"])
+
+
+@task(name="pull", cache_policy=NONE)
+def pull_results(remote: Remote, out_dir: str, staging: Path) -> Pulled:
+    log = get_run_logger()
+    pulled = pull(remote, out_dir, staging)
+    log.info("pulled %d file(s): %s", len(pulled.accepted), ", ".join(pulled.accepted) or "none")
+    for name, why in pulled.quarantined.items():
+        log.error("quarantined %s: %s", name, why)
+    return pulled
+
+
+@task(name="ingest", cache_policy=NONE)
+def ingest(store: Store, host: str, run_id: str, pulled: Pulled) -> str | None:
+    log = get_run_logger()
+    where = quarantine(store, host, run_id, pulled)
+    if where:
+        log.warning("%d file(s) quarantined under quarantine/host=%s/run=%s", len(pulled.quarantined), host, run_id)
+    if "runs.arrow" not in pulled.accepted:
+        log.error("no acceptable runs.arrow from %s: nothing ingested", host)
+        return None
+    store.ingest(host, run_id, pulled.accepted_dir)
+    part = f"runs/host={host}/run={run_id}"
+    log.info("ingested %s", part)
+    return part
+
+
+@task(name="notes", cache_policy=NONE)
+def write_notes(store: Store, settings: Settings, subject: str, reference: str,
+                hosts: Sequence[str] = ()) -> tuple[list[str], str | None]:
+    """Render the fleet notes and commit them (with the YAML of `hosts` when the inventory lives
+    in the same repo); one writer at a time across every process."""
+    log = get_run_logger()
+    with held(NOTES_LIMIT):
+        inv = load_inventory(settings.hosts_dir)
+        paths = notes_mod.render_notes(store, inv, settings.docs_dir, reference)
+        commit = None
+        if settings.commit:
+            yamls = [host_path(settings.hosts_dir, h) for h in hosts]
+            repo = settings.repo.resolve()
+            paths_in_repo = [*paths, *(y for y in yamls if y.resolve().is_relative_to(repo))]
+            message = "\n".join([subject, "", *notes_mod.summary_lines(store, inv, reference)]) + "\n"
+            commit = notes_mod.commit_notes(repo, paths_in_repo, message, inv)
+    rel = [_rel(p, settings.docs_dir.parent) for p in paths]
+    log.info("notes: %d file(s) under %s/notes%s", len(paths), settings.docs_dir.name,
+             f", committed {commit[:10]}" if commit else (" (not committed)" if not settings.commit else ", unchanged"))
+    return rel, commit
+
+
+def _rel(p: Path, base: Path) -> str:
+    try:
+        return str(Path(p).resolve().relative_to(base.resolve()))
+    except ValueError:
+        return Path(p).name
+
+
+# -- routing ----------------------------------------------------------------------------------
+
+def _route_unmeasurable(s: Settings, host: Host, res: ProbeResult) -> str:
+    """Write back what the probe found; returns the detail for the report."""
+    log = get_run_logger()
+    if res.outcome in ("unauthorized", "host_key_changed"):
+        extra = {"presented_host_key_fingerprint": res.presented_fingerprint} if res.presented_fingerprint else {}
+        retire(s.hosts_dir, host.name, res.outcome, **extra)
+        log.warning("%s retired (%s): %s", host.name, res.outcome, res.detail)
+        return f"retired ({res.outcome}): {res.detail}"
+    if res.outcome in ("unreachable", "timeout"):
+        n = host.unreachable_runs + 1
+        if n >= s.unreachable_runs:
+            retire(s.hosts_dir, host.name, "released", unreachable_runs=n)
+            log.warning("%s retired as released after %d consecutive unreachable runs", host.name, n)
+            return f"{res.outcome} for the {n}th run in a row: retired as released"
+        update_host(s.hosts_dir, host.name, unreachable_runs=n)
+        return f"{res.outcome} ({n} of {s.unreachable_runs} consecutive runs before release): {res.detail}"
+    log.warning("%s: %s; not measured (enrol the host key with `kdbench hosts trust`)", host.name, res.detail)
+    return res.detail
+
+
+def _headline(store: Store, host: str, run_id: str) -> list[str]:
+    """A few figures for the run's summary artifact."""
+    tables = store.load(host, run_id)
+    out = []
+    if "kernels" in tables and tables["kernels"].num_rows:
+        rows = tables["kernels"].to_pylist()
+        best = max(rows, key=lambda r: r["achieved_gbps"] or 0.0)
+        out.append(f"kernels: {len(rows)} points over {len({r['kernel'] for r in rows})} kernels; "
+                   f"best {best['achieved_gbps'] or 0:.1f} GB/s ({best['kernel']}, M={best['M']})")
+    if "e2e" in tables and tables["e2e"].num_rows:
+        rows = tables["e2e"].to_pylist()
+        best = max(rows, key=lambda r: r["tokens_per_s"] or 0.0)
+        out.append(f"e2e: {len(rows)} points; best {best['tokens_per_s'] or 0:.1f} tokens/s "
+                   f"(budget {best['budget']}, concurrency {best['concurrency']}, accept {best['accept_len_mean'] or 0:.2f})")
+    if "comm" in tables and tables["comm"].num_rows:
+        rows = [r for r in tables["comm"].to_pylist() if r["status"] == "ok"]
+        if rows:
+            out.append(f"comm: best bus bandwidth {max(r['busbw_gbps'] or 0 for r in rows):.1f} GB/s")
+    return out
+
+
+def _measure(s: Settings, store: Store, host: Host, suites: list[str], profile: str,
+             bench_timeout_s: float, report: RunReport) -> None:
+    log = get_run_logger()
+    run_id = report.run_id = _run_id()
+    run_dir = f"{host.work_dir.rstrip('/')}/runs/{run_id}"
+    out_dir = f"{run_dir}/out"
+    with Remote(host, s.hosts_dir) as remote:
+        dep = deploy_payload(remote, host)
+        report.payload_hash, report.uploaded = dep.payload_hash, dep.uploaded
+        build(remote, host, dep, run_dir, s.build_timeout_s)
+        for suite in suites:
+            if suite == "comm" and host.gpus < 2:
+                log.info("comm skipped on %s: %d GPU(s)", host.name, host.gpus)
+                continue
+            res = bench_suite(remote, host, dep, suite, profile, run_id, out_dir, bench_timeout_s)
+            report.suites.append(res)
+            if res.status == "timeout":
+                log.warning("later suites skipped on %s after the timeout", host.name)
+                break
+        with tempfile.TemporaryDirectory(prefix="kdbench-pull-") as tmp:
+            pulled = pull_results(remote, out_dir, Path(tmp))
+            report.quarantined = pulled.quarantined
+            report.results = ingest(store, host.name, run_id, pulled)
+    if report.results is None:
+        report.outcome, report.detail = "unmeasured", "no result could be ingested"
+        return
+    info = next(r for r in store.runs(host.name) if r.run_id == run_id)
+    bad = [r.suite for r in report.suites if r.status not in ("complete", "skipped")]
+    partial = info.status == "partial" or bad or report.quarantined
+    report.outcome = "partial" if partial else "measured"
+    report.detail = (f"partial: {', '.join(f'{r.suite} {r.status}' for r in report.suites if r.suite in bad)}"
+                     if bad else ("partial: some files quarantined" if report.quarantined else "all suites complete"))
+    report.headline = _headline(store, host.name, run_id)
+
+
+def _publish(report: RunReport, s: Settings) -> None:
+    title = {"measured": "measured", "partial": "measured (partial)", "projected": "projected",
+             "unmeasured": "not measured"}[report.outcome]
+    lines = [f"# {report.host}: {title}", "", f"- route: **{report.route}** — {report.detail}"]
+    if report.run_id:
+        lines.append(f"- run: `{report.run_id}`")
+    if report.payload_hash:
+        lines.append(f"- payload: `{report.payload_hash[:12]}` ({'uploaded' if report.uploaded else 'already on the host'})")
+    for sr in report.suites:
+        lines.append(f"- suite {sr.suite}: {sr.status}, {sr.points} points, {sr.elapsed_s:.0f} s")
+    if report.results:
+        lines.append(f"- results: `{report.results}` in the artifacts store "
+                     "(`pyarrow.dataset` over `runs/`, Hive-partitioned by host and run)")
+    if report.projected_run_id:
+        lines.append(f"- projection: `runs/host={report.host}/run={report.projected_run_id}` (source = projected)")
+    for name, why in report.quarantined.items():
+        lines.append(f"- quarantined `{name}`: {why}")
+    if report.headline:
+        lines += ["", "## Headline", *[f"- {h}" for h in report.headline]]
+    if report.notes:
+        lines += ["", "## Notes", *[f"- `{p}`" for p in report.notes]]
+        lines.append(f"- {'commit `' + report.commit[:10] + '`' if report.commit else 'not committed' if not s.commit else 'unchanged'}")
+    create_markdown_artifact(key=_key("bench", report.host), markdown="\n".join(lines) + "\n",
+                             description=f"bench run of {report.host}")
+    create_table_artifact(
+        key=_key("host", report.host),
+        table=[{"host": report.host, "outcome": report.outcome, "route": report.route,
+                "run_id": report.run_id or report.projected_run_id or "",
+                "suites": " ".join(f"{r.suite}:{r.status}" for r in report.suites),
+                "headline": "; ".join(report.headline), "results": report.results or "",
+                "quarantined": " ".join(report.quarantined)}],
+        description=f"bench history of {report.host}",
+    )
+
+
+# -- flows ------------------------------------------------------------------------------------
+
+@flow(name="bench", flow_run_name="bench-{host}")
+def bench(host: str, suites: list[str] | None = None, profile: str | None = None,
+          reference: str | None = None, notes: bool = True, bench_timeout_s: float | None = None) -> RunReport:
+    """Measure one host, or project it when it cannot be measured; then refresh the notes.
+
+    Unset parameters come from the KDBENCH_* settings of the process running the flow.
+    """
+    s = Settings.from_env()
+    suites = Settings(suites=suites).suites if suites else s.suites
+    profile = Settings(profile=profile).profile if profile else s.profile
+    reference = reference or s.reference
+    log = get_run_logger()
+    store = Store(s.artifacts)
+    with held(limit_name(host)):
+        h = load_host(s.hosts_dir, host)
+        if h.status == "retired":
+            log.info("%s is retired (%s): projection, no connection attempted", host, h.retired_reason)
+            report = RunReport(host=host, route="retired", outcome="unmeasured",
+                               detail=f"retired ({h.retired_reason}) since {h.retired_at:%Y-%m-%d}" if h.retired_at
+                               else f"retired ({h.retired_reason})")
+        else:
+            res = probe_host(h, s.hosts_dir, s.probe_retries, s.retry_backoff_s)
+            if res.outcome == "ok":
+                update_host(s.hosts_dir, host, unreachable_runs=0, last_seen=now())
+                report = RunReport(host=host, route="measured", outcome="measured")
+                try:
+                    _measure(s, store, h, suites, profile, bench_timeout_s or s.bench_timeout_s, report)
+                except RemoteError as e:
+                    log.error("lost %s during the run: %s", host, e)
+                    report.outcome, report.detail = "unmeasured", f"connection lost: {e}"
+            else:
+                report = RunReport(host=host, route=res.outcome, outcome="unmeasured",
+                                   detail=_route_unmeasurable(s, h, res))
+        if report.outcome not in ("measured", "partial"):
+            try:
+                report.projected_run_id = projection.project_task(s.artifacts, str(s.hosts_dir), host, reference)
+                report.outcome = "projected"
+            except projection.ProjectionError as e:
+                log.error("no projection for %s: %s", host, e)
+                report.detail += f"; no projection: {e}"
+        if notes:
+            report.notes, report.commit = write_notes(store, s, f"bench {host}: {report.outcome}", reference, [host])
+    _publish(report, s)
+    return report
+
+
+@flow(name="fleet", flow_run_name="fleet")
+async def fleet(hosts: list[str] | None = None, suites: list[str] | None = None, profile: str | None = None,
+                reference: str | None = None) -> list[dict[str, str]]:
+    """Run `bench/<host>` for every host at once (retired ones project), then refresh the notes once.
+
+    `hosts` narrows the fleet to some inventory hosts; by default it is all of them.
+    """
+    s = Settings.from_env()
+    inv = load_inventory(s.hosts_dir)
+    names = hosts or sorted(inv.hosts)
+    unknown = sorted(set(names) - set(inv.hosts))
+    if unknown:
+        raise ValueError(f"{s.hosts_dir}: no host named {', '.join(unknown)}")
+    log = get_run_logger()
+    log.info("fleet: %s", ", ".join(f"{n} ({inv.hosts[n].status})" for n in names))
+    params = {"suites": suites, "profile": profile, "reference": reference, "notes": False}
+    started = time.monotonic()
+    runs = await asyncio.gather(*(
+        arun_deployment(f"bench/{n}", parameters={"host": n, **params}, poll_interval=1, timeout=None)
+        for n in names))
+    elapsed = time.monotonic() - started
+    rows = [{"host": n, "state": r.state.name if r.state else "unknown", "flow_run": r.name}
+            for n, r in zip(names, runs)]
+    log.info("fleet runs done in %.1f s: %s", elapsed, ", ".join(f"{r['host']} {r['state']}" for r in rows))
+    store = Store(s.artifacts)
+    write_notes(store, s, f"fleet: {len(rows)} hosts", reference or s.reference, names)
+    await create_table_artifact(key="fleet", table=rows, description=f"fleet run, {elapsed:.0f} s")
+    failed = [r["host"] for r in rows if r["state"] != "Completed"]
+    if failed:
+        raise RuntimeError(f"bench runs did not complete for: {', '.join(failed)}")
+    return rows

@@ -1,0 +1,118 @@
+"""Bring a run's result files back from a host and accept only the ones we can trust.
+
+A file is accepted when its sha256 matches the host's manifest AND it opens as Arrow with the
+kdbench schema of the table its name says. Anything else is quarantined under
+`<artifacts>/quarantine/host=<h>/run=<id>/` with a `.reason` file beside it, and named in the
+run's logs and notes; it is never ingested.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from engine.schema import MANIFEST, TABLES, SchemaError, read_table, sha256_file, write_manifest
+from flows.ssh import Remote
+from flows.store import Store, check_name
+
+_NAME = re.compile(r"^[a-z0-9_]{1,64}\.arrow$")
+SHORT_S = 120.0
+
+
+class Pulled(BaseModel):
+    accepted_dir: Path  # holds only accepted files and a fresh manifest.json
+    accepted: list[str]
+    quarantined: dict[str, str]  # file name -> why
+
+
+def _remote_listing(remote: Remote, remote_dir: str) -> list[str]:
+    res = remote.run(["find", remote_dir, "-maxdepth", "1", "-type", "f", "-name", "*.arrow"],
+                     timeout_s=SHORT_S)
+    if res.rc != 0:
+        return []
+    return sorted(line.rsplit("/", 1)[-1] for line in res.stdout.splitlines() if line.strip())
+
+
+def _manifest(remote: Remote, remote_dir: str, staging: Path) -> tuple[dict[str, str], str | None]:
+    """The host's manifest as {file: sha256}, or ({}, why it is unusable)."""
+    if remote.sha256(f"{remote_dir}/{MANIFEST}") is None:
+        return {}, "no manifest.json on the host"
+    local = staging / MANIFEST
+    remote.get(f"{remote_dir}/{MANIFEST}", local)
+    try:
+        files = json.loads(local.read_text())["files"]
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            raise ValueError("files is not a name -> sha256 map")
+        return files, None
+    except (ValueError, KeyError, TypeError) as e:
+        return {}, f"manifest.json unreadable ({e})"
+
+
+def _verdict(path: Path, expected: str | None, manifest_problem: str | None) -> str | None:
+    """None when the file is good, else the reason to quarantine it."""
+    if expected is None:
+        return manifest_problem or "not listed in manifest.json"
+    got = sha256_file(path)
+    if got != expected:
+        return f"sha256 {got[:12]} does not match the manifest's {expected[:12]}"
+    try:
+        table = read_table(path)
+    except SchemaError as e:
+        return str(e)
+    name = table.schema.metadata[b"kdbench.table"].decode()
+    if path.stem not in TABLES or f"{name}.arrow" != path.name:
+        return f"holds table {name!r}, not what its name says"
+    return None
+
+
+def pull(remote: Remote, remote_dir: str, staging: Path) -> Pulled:
+    """Fetch every result file of `remote_dir` into `staging`, sorting them into accepted/ and quarantine/."""
+    accepted_dir, bad_dir = staging / "accepted", staging / "quarantine"
+    for d in (accepted_dir, bad_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    manifest, problem = _manifest(remote, remote_dir, staging)
+    names = sorted(set(_remote_listing(remote, remote_dir)) | set(manifest))
+    accepted: list[str] = []
+    quarantined: dict[str, str] = {}
+    for name in names:
+        if not _NAME.match(name):
+            quarantined[ascii(name)[:80]] = "unexpected file name (not fetched)"
+            continue
+        if remote.sha256(f"{remote_dir}/{name}") is None:
+            quarantined[name] = "listed in manifest.json but missing on the host"
+            continue
+        local = staging / name
+        remote.get(f"{remote_dir}/{name}", local)
+        why = _verdict(local, manifest.get(name), problem)
+        if why is None:
+            local.replace(accepted_dir / name)
+            accepted.append(name)
+        else:
+            local.replace(bad_dir / name)
+            quarantined[name] = why
+    write_manifest(accepted_dir)
+    return Pulled(accepted_dir=accepted_dir, accepted=accepted, quarantined=quarantined)
+
+
+def quarantine(store: Store, host: str, run_id: str, pulled: Pulled) -> str | None:
+    """Keep the rejected files (and why) in the artifacts store, beside (never in) runs/."""
+    if not pulled.quarantined:
+        return None
+    fs = store.fs
+    dest = f"{store.base}/quarantine/host={check_name('host', host)}/run={check_name('run id', run_id)}"
+    fs.create_dir(dest, recursive=True)
+    src_dir = pulled.accepted_dir.parent / "quarantine"
+    for name, why in pulled.quarantined.items():
+        if not _NAME.match(name):
+            continue  # never fetched; its odd name stays in the logs and notes only
+        src = src_dir / name
+        if src.is_file():
+            with src.open("rb") as f, fs.open_output_stream(f"{dest}/{name}") as out:
+                shutil.copyfileobj(f, out)
+        with fs.open_output_stream(f"{dest}/{name}.reason") as out:
+            out.write((why + "\n").encode())
+    return dest

@@ -1,0 +1,228 @@
+"""`kdbench server` (a local Prefect server) and `kdbench serve` (the deployments).
+
+Deployments: `bench/<host>` for every inventory host (parameters: host, suites, profile,
+reference; unset ones come from the KDBENCH_* settings of the process that runs the flow) and
+`fleet/fleet`. `kdbench serve` reads hosts/ when it starts, so restarting it picks up added or
+removed hosts; deployments of hosts that left the inventory are deleted.
+
+Two ways to run them:
+  * one controller: `kdbench serve` runs flow runs itself, as subprocesses, until stopped;
+  * a team: `kdbench serve --pool kdbench` registers the same deployments into a Prefect process
+    work pool and returns; every controller machine runs `prefect worker start --pool kdbench`
+    with the artifacts root on shared storage (docs/running.md).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from flows.settings import REPO, Settings, SettingsError
+
+err = Console(stderr=True)
+DEFAULT_HOME = REPO / ".scratch" / "prefect-server"
+DEFAULT_PORT = 4200
+
+
+def _fail(message: str) -> typer.Exit:
+    err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(2)
+
+
+# -- a local Prefect server -----------------------------------------------------------------
+
+def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=timeout_s) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def server_env(home: Path, ui: bool = True) -> dict[str, str]:
+    """The environment of a Prefect server whose state (SQLite DB included) lives under `home`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "true" if ui else "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    })
+    return env
+
+
+def start_server(home: Path, port: int, *, ui: bool = True, wait_s: float = 120.0) -> tuple[int, str]:
+    """Start `prefect server start` detached; returns (pid, API URL) once /api/health answers."""
+    home.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{port}/api"
+    with (home / "server.log").open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=server_env(home, ui), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, cwd=home,
+        )
+    (home / "server.pid").write_text(f"{proc.pid}\n")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = (home / "server.log").read_text(errors="replace")[-800:]
+            raise RuntimeError(f"prefect server exited with {proc.returncode}: {tail}")
+        if healthy(url):
+            return proc.pid, url
+        time.sleep(0.5)
+    stop_process(proc.pid)
+    raise RuntimeError(f"prefect server did not answer on {url} within {wait_s:.0f} s")
+
+
+def stop_process(pid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group we started (the server or serve spawns children), then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    return
+            except ChildProcessError:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    return
+            time.sleep(0.1)
+
+
+def server(
+    port: int = typer.Option(DEFAULT_PORT, help="Port on 127.0.0.1."),
+    home: Path = typer.Option(DEFAULT_HOME, help="Server state: SQLite DB, log, pid file."),
+    stop: bool = typer.Option(False, "--stop", help="Stop the server this command started (pid file in --home)."),
+) -> None:
+    """Start a local Prefect server (SQLite) unless one answers already; print its API URL."""
+    url = f"http://127.0.0.1:{port}/api"
+    pid_file = home / "server.pid"
+    if stop:
+        if not pid_file.is_file():
+            raise _fail(f"{pid_file}: no pid file, nothing to stop")
+        stop_process(int(pid_file.read_text().split()[0]))
+        pid_file.unlink()
+        print(f"stopped the Prefect server of {home}")
+        return
+    if healthy(url):
+        print(url)
+        err.print(f"a Prefect server already answers on {url}")
+        return
+    try:
+        pid, url = start_server(home, port)
+    except RuntimeError as e:
+        raise _fail(str(e)) from None
+    print(url)
+    err.print(f"Prefect server started (pid {pid}, state in {home}); UI at {url.removesuffix('/api')}\n"
+              f"  export PREFECT_API_URL={url}\n  stop it with: kdbench server --stop")
+
+
+# -- the deployments ------------------------------------------------------------------------
+
+def deployments(s: Settings) -> list:
+    """One `bench/<host>` per inventory host and `fleet/fleet`, loaded by module path so any
+    machine with kdbench installed (serve process or worker) can run them."""
+    from prefect.deployments.runner import EntrypointType
+
+    from flows.bench_flow import bench, fleet
+    from flows.inventory import load_inventory
+
+    inv = load_inventory(s.hosts_dir)
+    deps = [bench.to_deployment(
+        name=h, parameters={"host": h}, tags=["kdbench", f"host-{h}"],
+        description=f"Benchmark {h} ({inv.hosts[h].status}); projection when it cannot be measured.",
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    ) for h in sorted(inv.hosts)]
+    deps.append(fleet.to_deployment(name="fleet", tags=["kdbench"], entrypoint_type=EntrypointType.MODULE_PATH,
+                                    description="Every host at once, then the fleet notes."))
+    return deps
+
+
+def _prune(keep: set[str]) -> list[str]:
+    """Delete `bench/<host>` deployments whose host left the inventory."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    gone = []
+    with get_client(sync_client=True) as client:
+        for d in client.read_deployments(flow_filter=FlowFilter(name=FlowFilterName(any_=["bench"]))):
+            if d.name not in keep:
+                client.delete_deployment(d.id)
+                gone.append(d.name)
+    return gone
+
+
+def _ensure_pool(name: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(name)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+
+
+def serve(
+    pool: Optional[str] = typer.Option(
+        None, "--pool", help="Register the deployments into this Prefect process work pool (created if "
+                             "missing) and return; run `prefect worker start --pool NAME` on each controller."),
+) -> None:
+    """Register `bench/<host>` for every host in hosts/ and `fleet/fleet`, and serve them.
+
+    Talks to PREFECT_API_URL (`kdbench server` starts one). Settings come from KDBENCH_HOSTS,
+    KDBENCH_ARTIFACTS, KDBENCH_DOCS, KDBENCH_REPO, KDBENCH_COMMIT, KDBENCH_SUITES, KDBENCH_PROFILE,
+    KDBENCH_REFERENCE, KDBENCH_UNREACHABLE_RUNS, KDBENCH_PROBE_RETRIES, KDBENCH_RETRY_BACKOFF_S,
+    KDBENCH_BUILD_TIMEOUT_S and KDBENCH_BENCH_TIMEOUT_S, read by each flow run.
+    Restart it after editing hosts/ to add or drop deployments.
+    """
+    from prefect.settings import get_current_settings
+
+    from flows.bench_flow import NOTES_LIMIT, ensure_limit, limit_name
+    from flows.inventory import InventoryError
+
+    api = get_current_settings().api.url
+    if not api:
+        raise _fail("PREFECT_API_URL is not set: start a server with `kdbench server` and export the URL it prints")
+    if not healthy(api):
+        raise _fail(f"no Prefect server answers at PREFECT_API_URL={api} (`kdbench server` starts one)")
+    try:
+        s = Settings.from_env()
+        deps = deployments(s)
+    except (SettingsError, InventoryError) as e:
+        raise _fail(str(e)) from None
+    hosts = [d.name for d in deps if d.flow_name == "bench"]
+    for h in hosts:
+        ensure_limit(limit_name(h))
+    ensure_limit(NOTES_LIMIT)
+    gone = _prune(set(hosts))
+    if gone:
+        err.print(f"removed deployments of hosts no longer in the inventory: {', '.join(sorted(gone))}")
+    if pool:
+        _ensure_pool(pool)
+        for d in deps:
+            d.apply(work_pool_name=pool)
+        print(f"registered {len(deps)} deployments in work pool {pool!r}: "
+              + ", ".join(f"{d.flow_name}/{d.name}" for d in deps))
+        return
+    from prefect import serve as prefect_serve
+
+    err.print(f"serving {len(deps)} deployments against {api}: "
+              + ", ".join(f"{d.flow_name}/{d.name}" for d in deps))
+    prefect_serve(*deps, print_starting_message=False)

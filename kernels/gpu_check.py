@@ -1,0 +1,326 @@
+"""Check and time every kernel at K2 shapes on one GPU: `python -m kernels.gpu_check --out DIR`.
+
+Order: ceilings first (device-to-device copy bandwidth, bf16 matmul rate), then each kernel against
+its reference in bf16 with fresh random inputs and every kernel-allocated buffer poisoned (NaN /
+sentinel), then timings (CUDA-graph replays, median) with the floors beside them. Writes
+DIR/gpu_check.jsonl (one record per measurement) and DIR/gpu_check.md (the table); sections that
+fail are logged and the rest still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+from kernels import mla_verify, moe_gemm, reference, tree_accept, tree_build
+from kernels.reference import Tree
+
+E, H, I, TOPK = 384, 7168, 2048, 8
+HEADS, DL, DR = 64, 512, 64
+EXPERT_BYTES = 3 * H * I // 2 + 3 * H * I // 32 * 2  # packed nibbles + bf16 scales
+
+
+class Log:
+    """Collects records, prints one line each, and rewrites the output files after each."""
+
+    def __init__(self, out: Path, deadline: float) -> None:
+        self.out, self.rows, self.deadline = out, [], deadline
+        out.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, **rec: Any) -> None:
+        self.rows.append(rec)
+        print(json.dumps(rec), flush=True)
+        with open(self.out / "gpu_check.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def time_left(self) -> float:
+        return self.deadline - time.time()
+
+
+def poisoned(mod: Any) -> None:
+    """Make the module's torch.empty / empty_like hand out NaN (float) or sentinel (int) memory."""
+    real = torch
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype.is_floating_point:
+            return t.fill_(float("nan"))
+        if t.dtype == torch.bool:
+            return t.fill_(True)
+        return t.fill_(-123456)
+
+    ns = SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    ns.empty = lambda *a, **k: fill(real.empty(*a, **k))
+    ns.empty_like = lambda *a, **k: fill(real.empty_like(*a, **k))
+    mod.torch = ns
+
+
+def unpoisoned(mod: Any) -> None:
+    mod.torch = torch
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    o, r = out.double(), ref.double()
+    if not torch.isfinite(o).all():
+        return float("inf")
+    return float((o - r).norm() / r.norm())
+
+
+def bench(fn: Callable[[], Any], graph: bool = True) -> float:
+    """Median microseconds; CUDA-graph replay when asked (strips Python and launch gaps)."""
+    if graph:
+        return 1e3 * do_bench_cudagraph(fn, rep=60, return_mode="median")
+    return 1e3 * do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+# ----------------------------------------------------------------------------- ceilings
+
+
+def ceilings(log: Log) -> tuple[float, float]:
+    n = 1 << 30  # 2 GiB bf16 -> 4 GiB moved per copy
+    a = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    us = bench(lambda: b.copy_(a), graph=False)
+    bw = 2 * a.numel() * 2 / (us * 1e-6)
+    del a, b
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    us_mm = bench(lambda: x @ y, graph=False)
+    tf = 2 * 8192**3 / (us_mm * 1e-6)
+    log(section="ceiling", copy_gbps=bw / 1e9, bf16_tflops=tf / 1e12, copy_us=us, mm_us=us_mm,
+        gpu=torch.cuda.get_device_name(), sms=torch.cuda.get_device_properties(0).multi_processor_count,
+        torch=torch.__version__, triton=triton.__version__)
+    return bw, tf
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+def moe_weights() -> tuple[torch.Tensor, ...]:
+    """Random packed words (every nibble value, -8 included) and positive bf16 scales."""
+    g = torch.Generator(device="cuda").manual_seed(int(time.time()))
+    w13_q = torch.randint(-2**31, 2**31 - 1, (E, 2 * I, H // 8), device="cuda", dtype=torch.int32, generator=g)
+    w2_q = torch.randint(-2**31, 2**31 - 1, (E, H, I // 8), device="cuda", dtype=torch.int32, generator=g)
+    w13_s = (torch.rand(E, 2 * I, H // 32, device="cuda", generator=g) * 2e-3 + 1e-3).to(torch.bfloat16)
+    w2_s = (torch.rand(E, H, I // 32, device="cuda", generator=g) * 2e-3 + 1e-3).to(torch.bfloat16)
+    return w13_q, w13_s, w2_q, w2_s
+
+
+def routing(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.rand(m, E, device="cuda").topk(TOPK, -1).indices
+    wts = torch.softmax(torch.randn(m, TOPK, device="cuda"), -1)
+    return ids, wts
+
+
+def moe_section(log: Log, bw: float, tf: float) -> None:
+    w = moe_weights()
+    poisoned(moe_gemm)
+    for m in (1, 5, 16, 130, 1025):
+        x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+        ids, wts = routing(m)
+        out = moe_gemm.moe_w4a16(x, *w, ids, wts)
+        ref = reference.moe_w4a16(x, *w, ids, wts)
+        log(section="moe_check", m=m, rel_err=rel_err(out, ref), ok=rel_err(out, ref) < 1e-2)
+    unpoisoned(moe_gemm)
+    sweep = {
+        "decode": [(16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (16, 32, 512, 4, 3), (16, 64, 128, 4, 4),
+                   (16, 128, 128, 8, 4), (16, 32, 128, 2, 4)],
+        "large": [(32, 64, 128, 4, 4), (64, 64, 128, 8, 3), (64, 128, 64, 8, 3), (128, 64, 64, 8, 3),
+                  (64, 128, 128, 8, 3)],
+    }
+    for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1025):
+        if log.time_left() < 60:
+            log(section="moe_time", skipped=m)
+            break
+        x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+        ids, wts = routing(m)
+        uniq = int(torch.unique(ids).numel())
+        expected = E * (1 - (1 - TOPK / E) ** m)
+        nbytes = uniq * EXPERT_BYTES + 2 * m * H * 2
+        flops = 2 * m * TOPK * 3 * H * I
+        floor_us = max(nbytes / bw, flops / tf) * 1e6
+        reg = moe_gemm.regime(m, TOPK, E)
+        tried = [moe_gemm.CONFIGS[reg]]
+        if m in (8, 1025):
+            tried += [{"gate_up": c, "down": (c[0], *c[1:])} for c in sweep["decode" if m == 8 else "large"]]
+        best = None
+        for cfg in tried:
+            try:
+                us = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg))
+            except Exception as exc:  # a config that does not compile is a data point, not a crash
+                log(section="moe_time", m=m, cfg=str(cfg), error=repr(exc)[:200])
+                continue
+            log(section="moe_time", m=m, cfg=str(cfg), us=us, unique=uniq, expected_unique=expected,
+                bytes=nbytes, floor_us=floor_us, pct_bw=100 * nbytes / bw / (us * 1e-6),
+                per_token_us=us / m)
+            best = us if best is None else min(best, us)
+        eager = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts), graph=False)
+        log(section="moe_eager", m=m, us=eager, graph_us=best)
+        if m in (1, 16, 128):
+            us_ref = bench(lambda: reference.moe_w4a16(x, *w, ids, wts), graph=False)
+            log(section="moe_ref", m=m, us=us_ref)
+    del w
+
+
+# ----------------------------------------------------------------------------- MLA
+
+
+def mla_inputs(bt: int, t: int, ctx: list[int], s: int) -> tuple[torch.Tensor, ...]:
+    qn = torch.randn(bt, t, HEADS, DL, device="cuda", dtype=torch.bfloat16)
+    qr = torch.randn(bt, t, HEADS, DR, device="cuda", dtype=torch.bfloat16)
+    ckv = torch.randn(bt, s, DL, device="cuda", dtype=torch.bfloat16)
+    kpe = torch.randn(bt, s, DR, device="cuda", dtype=torch.bfloat16)
+    ctx_lens = torch.tensor(ctx, device="cuda", dtype=torch.int64)
+    if t == 1:
+        mask = torch.ones(bt, 1, 1, dtype=torch.bool, device="cuda")
+    else:
+        lp = F.log_softmax(torch.randn(bt, 16, 64, device="cuda"), -1).topk(8, -1).values
+        tok = torch.randint(0, 1000, (bt, 16, 8), device="cuda")
+        mask = tree_build.build_tree(lp, tok, torch.zeros(bt, dtype=torch.int64, device="cuda"), t - 1).mask
+    return qn, qr, ckv, kpe, ctx_lens, mask
+
+
+def mla_section(log: Log, bw: float, tf: float) -> None:
+    scale = 1.0 / math.sqrt(192)
+    poisoned(mla_verify)
+    for bt, t, ctx, s in ((2, 65, [3000, 7100], 7200), (3, 1, [5000, 1, 8191], 8192), (1, 257, [20000], 20300)):
+        args = mla_inputs(bt, t, ctx, s)
+        out = mla_verify.mla_tree_attention(*args, scale)
+        ref = reference.mla_tree_attention(*args, scale)
+        e = rel_err(out, ref)
+        log(section="mla_check", bt=bt, t=t, ctx=ctx, rel_err=e, ok=e < 1e-2)
+    unpoisoned(mla_verify)
+    cases = [(bt, 65, c) for bt in (1, 8) for c in (8192, 16384, 32768, 65536)] + \
+            [(bt, 1, c) for bt in (1, 8) for c in (8192, 65536)]
+    variants = [{"BN": 32, "num_warps": 8, "num_stages": 2}, {"BN": 64, "num_warps": 8, "num_stages": 2},
+                {"BN": 32, "num_warps": 4, "num_stages": 2}, {"BN": 16, "num_warps": 4, "num_stages": 3}]
+    for bt, t, c in cases:
+        if log.time_left() < 40:
+            log(section="mla_time", skipped=[bt, t, c])
+            break
+        args = mla_inputs(bt, t, [c] * bt, c + t)
+        nbytes = bt * (c + t) * (DL + DR) * 2
+        fl = mla_verify.flops(bt, t, HEADS, c, DL, DR)
+        floor_bw, floor_fl = nbytes / bw * 1e6, fl / tf * 1e6
+        tried = variants if (bt, t, c) in ((1, 65, 32768), (8, 1, 65536)) else [None]
+        for cfg in tried:
+            try:
+                us = bench(lambda: mla_verify.mla_tree_attention(*args, scale, config=cfg))
+            except Exception as exc:
+                log(section="mla_time", bt=bt, t=t, ctx=c, cfg=str(cfg), error=repr(exc)[:200])
+                continue
+            log(section="mla_time", bt=bt, t=t, ctx=c, cfg=str(cfg or mla_verify.CONFIG), us=us,
+                bytes=nbytes, floor_bw_us=floor_bw, floor_flops_us=floor_fl, pct_bw=100 * floor_bw / us,
+                pct_mm_peak=100 * floor_fl / us)
+        if c == 8192 and t == 65:
+            ref_args = args
+            us_ref = bench(lambda: reference.mla_tree_attention(*ref_args, scale, compute_dtype=torch.bfloat16),
+                           graph=False)
+            log(section="mla_ref_sdpa_bf16", bt=bt, t=t, ctx=c, us=us_ref)
+        del args
+
+
+# ----------------------------------------------------------------------------- tree build + accept
+
+
+def draft(bt: int, length: int, k: int, ties: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    lp = F.log_softmax(torch.randn(bt, length, 100, device="cuda") * 2, -1).topk(k, -1).values
+    if ties:  # coarse grid: many equal scores, so the insertion-counter tie-break decides
+        lp = (lp * 2).round() / 2
+        lp = lp.sort(-1, descending=True).values
+    tok = torch.randint(0, 163840, (bt, length, k), device="cuda")
+    return lp.contiguous(), tok
+
+
+def accept_target(tree: Tree, follow: float) -> torch.Tensor:
+    """Target argmax that follows a random child with probability `follow`, else a random token."""
+    bt, n1 = tree.tokens.shape
+    am = torch.randint(0, 163840, (bt, n1), device="cuda")
+    par = tree.parents.cpu()
+    tok = tree.tokens.cpu()
+    amc = am.cpu()
+    for b in range(bt):
+        kids: dict[int, list[int]] = {}
+        for i in range(1, n1):
+            kids.setdefault(int(par[b, i]), []).append(i)
+        for node, ch in kids.items():
+            if torch.rand(()) < follow:
+                amc[b, node] = tok[b, ch[int(torch.randint(len(ch), ()))]]
+    return amc.cuda()
+
+
+def tree_section(log: Log) -> None:
+    poisoned(tree_build)
+    poisoned(tree_accept)
+    for budget, ties in ((64, False), (256, True), (1024, False), (1024, True)):
+        lp, tok = draft(16, 16, 8, ties)
+        root = torch.randint(0, 1000, (16,), device="cuda")
+        gpu = tree_build.build_tree(lp, tok, root, budget)
+        cpu = reference.build_tree(lp, tok, root, budget)
+        same = {f: bool(torch.equal(getattr(gpu, f), getattr(cpu, f))) for f in ("tokens", "parents", "depths", "scores", "mask")}
+        log(section="tree_check", budget=budget, ties=ties, same=same, ok=all(same.values()))
+        am = accept_target(cpu, 0.85)
+        got = tree_accept.tree_accept(gpu, am)
+        want = reference.tree_accept(cpu, am)
+        ok = all(bool(torch.equal(a, b)) for a, b in zip(got, want))
+        log(section="accept_check", budget=budget, ok=ok, mean_accept=float(want[1].float().mean()))
+    unpoisoned(tree_build)
+    unpoisoned(tree_accept)
+    for budget in (64, 256, 1024):
+        lp, tok = draft(16, 16, 8, False)
+        root = torch.randint(0, 1000, (16,), device="cuda")
+        for warps in (1, 2, 4, 8):
+            us = bench(lambda: tree_build.build_tree(lp, tok, root, budget, num_warps=warps))
+            log(section="tree_time", budget=budget, bt=16, num_warps=warps, us=us)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            cpu = reference.build_tree(lp, tok, root, budget)
+        torch.cuda.synchronize()
+        log(section="tree_cpu_heap", budget=budget, bt=16, us=(time.perf_counter() - t0) / 3 * 1e6)
+        am = accept_target(cpu, 0.85)
+        us = bench(lambda: tree_accept.tree_accept(cpu, am))
+        log(section="accept_time", budget=budget, bt=16, us=us)
+
+
+def write_table(log: Log) -> None:
+    lines = ["| section | fields |", "| --- | --- |"]
+    for r in log.rows:
+        sec = r.get("section")
+        body = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "section")
+        lines.append(f"| {sec} | {body} |")
+    (log.out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--budget-s", type=float, default=420, help="stop timing sections when this runs out")
+    ap.add_argument("--only", default="moe,mla,tree", help="comma list of sections")
+    a = ap.parse_args()
+    log = Log(a.out, time.time() + a.budget_s)
+    bw, tf = ceilings(log)
+    sections = {"tree": lambda: tree_section(log), "moe": lambda: moe_section(log, bw, tf),
+                "mla": lambda: mla_section(log, bw, tf)}
+    for name in a.only.split(","):
+        t0 = time.time()
+        try:
+            sections[name]()
+        except Exception:
+            log(section=name, error=traceback.format_exc()[-1500:])
+        log(section=name, wall_s=time.time() - t0)
+        torch.cuda.empty_cache()
+    write_table(log)
+
+
+if __name__ == "__main__":
+    main()

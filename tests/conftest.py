@@ -1,0 +1,62 @@
+"""Shared fixtures: real loopback sshd sandbox hosts that are always brought down again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import pytest
+
+from flows import sandbox as sandbox_mod
+from flows.inventory import Host, load_host
+
+
+@dataclass
+class SandboxHosts:
+    """A running sandbox: its state folder, its inventory folder and its host names."""
+
+    state_dir: Path
+    hosts_dir: Path
+    names: list[str]
+
+    def host(self, name: str | None = None) -> Host:
+        """The host as the sandbox inventory describes it now (default: the first one)."""
+        return load_host(self.hosts_dir, name or self.names[0])
+
+    def fault(self, name: str, kind: sandbox_mod.Fault) -> None:
+        sandbox_mod.fault(name, kind, self.state_dir)
+
+    def pids(self) -> list[int]:
+        return [r["pid"] for r in sandbox_mod.status(self.state_dir) if r["pid"]]
+
+
+@pytest.fixture
+def sandbox_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., SandboxHosts]]:
+    """`make(count=1, names=None)` starts sandbox hosts in a fresh tmp state dir; all stopped at teardown.
+
+    Register a sandbox host under a real host's name with `make(names=["pro6000"])`.
+    """
+    started: list[Path] = []
+
+    def make(count: int = 1, names: Sequence[str] | None = None) -> SandboxHosts:
+        state = tmp_path_factory.mktemp("sandbox")
+        started.append(state)
+        hosts_dir = sandbox_mod.up(count, names=names, state_dir=state)
+        listed = [r["name"] for r in sandbox_mod.status(state)]
+        return SandboxHosts(state_dir=state, hosts_dir=hosts_dir, names=listed)
+
+    try:
+        yield make
+    finally:
+        for state in started:
+            pids = [r["pid"] for r in sandbox_mod.status(state) if r["pid"]]
+            pids += [c for p in pids for c in sandbox_mod._descendants(p)]
+            sandbox_mod.down(state)
+            assert not any(sandbox_mod._alive(p) for p in pids), "a sandbox process outlived `down`"
+
+
+@pytest.fixture
+def sandbox(sandbox_factory: Callable[..., SandboxHosts]) -> SandboxHosts:
+    """One sandbox host named sbx1, up for the duration of the test."""
+    return sandbox_factory(count=1)

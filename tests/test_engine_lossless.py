@@ -1,0 +1,101 @@
+"""The DDTree engine against plain math: lossless greedy decoding, cache compaction, steering."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from engine.config import make_config
+from engine.decode import Decoder, Oracle
+from engine.drafter import BlockDrafter
+from engine.model import LatentCache, TargetModel
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = make_config("k2-mini")
+    model = TargetModel(cfg, torch.device("cpu"), torch.float32, seed=3)
+    dec = Decoder(model, BlockDrafter(model, seed=4))
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, cfg.vocab, (n,), generator=g).tolist() for n in (3, 17, 9, 30)]
+    ref = dec.greedy(prompts, MAX_NEW)
+    return dec, prompts, ref
+
+
+def _plain_greedy(model: TargetModel, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding by re-running the whole sequence each token: no cache reuse at all."""
+    seq = list(prompt)
+    out = []
+    for _ in range(n):
+        t = len(seq)
+        cache = LatentCache.empty(model.cfg, 1, t, model.device, model.dtype)
+        causal = torch.ones(t, t, dtype=torch.bool).tril().unsqueeze(0)
+        logits, _ = model.forward(torch.tensor([seq]), torch.arange(t).unsqueeze(0), cache, causal, last_only=True)
+        nxt = int(logits[0, -1].argmax())
+        seq.append(nxt)
+        out.append(nxt)
+    return out
+
+
+def test_greedy_matches_uncached_recompute(setup):
+    dec, prompts, ref = setup
+    for b in (0, 1):
+        assert ref.tokens[b][:12] == _plain_greedy(dec.model, prompts[b], 12)
+
+
+@pytest.mark.parametrize("budget", [1, 4, 16, 64])
+@pytest.mark.parametrize("level", [0.0, 0.5, 0.9, 1.0])
+def test_ddtree_is_lossless(setup, budget, level):
+    dec, prompts, ref = setup
+    oracle = Oracle(ref.tokens, dec.device) if level > 0 else None
+    res = dec.speculative(prompts, MAX_NEW, budget, oracle, level)
+    assert res.tokens == ref.tokens
+    # every step emits accepted drafts + one bonus token, within the drafter's block length
+    for per_seq in res.accept_len:
+        assert all(0 <= a <= min(budget, dec.model.cfg.draft_len) for a in per_seq)
+
+
+def test_acceptance_follows_steering_level(setup):
+    dec, prompts, ref = setup
+    oracle = Oracle(ref.tokens, dec.device)
+    mean = {lv: statistics.mean(a for s in dec.speculative(prompts, MAX_NEW, 16, oracle, lv).accept_len for a in s)
+            for lv in (0.0, 0.5, 1.0)}
+    assert mean[0.0] < 0.2 < mean[0.5] < mean[1.0]
+    assert mean[1.0] >= 0.9 * (dec.model.cfg.draft_len - 1)  # a perfect drafter fills most of the block
+
+
+def test_steering_rank_is_geometric():
+    cfg = make_config("k2-mini", layers=1)
+    model = TargetModel(cfg, torch.device("cpu"), torch.float32, seed=0)
+    dr = BlockDrafter(model, seed=0)
+    level, n = 0.6, 4000
+    logits = torch.randn(n, 1, cfg.vocab)
+    hints = torch.randint(0, cfg.vocab, (n, 1))
+    dr.steer(logits, hints, level)
+    rank = (logits > logits.gather(-1, hints.unsqueeze(-1))).sum(-1).squeeze(1)
+    for r in range(cfg.draft_topk):
+        want = level * (1 - level) ** r
+        got = float((rank == r).float().mean())
+        assert abs(got - want) < 0.03, (r, got, want)
+    assert float((rank >= cfg.draft_topk).float().mean()) == pytest.approx((1 - level) ** cfg.draft_topk, abs=0.03)
+
+
+def test_compact_keeps_the_accepted_path():
+    cfg = make_config("k2-mini", layers=2)
+    cache = LatentCache.empty(cfg, 2, 20, torch.device("cpu"), torch.float32)
+    cache.ckv += torch.arange(20, dtype=torch.float32).view(1, 1, 20, 1)
+    cache.kpe += torch.arange(20, dtype=torch.float32).view(1, 1, 20, 1) * 10
+    cache.lens[:] = torch.tensor([3, 5])
+    path = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1]])
+    acc = torch.tensor([2, 0])
+    before = cache.ckv.clone()
+    cache.compact(path, acc, torch.tensor([1, 1]))
+    assert cache.lens.tolist() == [6, 6]
+    assert cache.ckv[:, 0, 3:6, 0].tolist() == [[3.0, 5.0, 8.0]] * 2  # rows 3+0, 3+2, 3+5
+    assert cache.kpe[:, 0, 3:6, 0].tolist() == [[30.0, 50.0, 80.0]] * 2
+    assert torch.equal(cache.ckv[:, :, :3], before[:, :, :3])  # the committed prefix is untouched
+    assert cache.ckv[:, 1, 5, 0].tolist() == [5.0, 5.0]

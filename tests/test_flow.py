@@ -1,0 +1,264 @@
+"""End to end: a real Prefect server, the real `kdbench serve`, real sandbox sshd hosts, and runs
+started the way people start them: `prefect deployment run bench/<host> --watch`.
+
+One server, one serve process and one sandbox for the whole module (they take most of the time);
+the tests run in file order and build on each other: the healthy pro6000 run is the reference the
+later projections carry from, and the worker test goes last because it re-registers the deployments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow.dataset as ds
+import pytest
+
+from flows import sandbox as sandbox_mod
+from flows.inventory import load_host
+from flows.serve import start_server, stop_process
+from flows.store import Store
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
+HOSTS = ["pro6000", "f2", "f3", "f4", "revoked", "rotated", "stopped"]
+TIMES: dict[str, float] = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _api(url: str, path: str, body: dict | None = None) -> object:
+    req = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json"}, method="POST" if body is not None else "GET")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real Prefect server (SQLite in a tmp dir) for the session."""
+    home = tmp_path_factory.mktemp("prefect-server")
+    pid, url = start_server(home, _free_port(), ui=False)
+    try:
+        yield url
+    finally:
+        stop_process(pid)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, prefect_api: str) -> Iterator[dict]:
+    """Sandbox hosts, a notes git repo, an artifacts root and the environment pointing at them."""
+    state = tmp_path_factory.mktemp("flow-sandbox")
+    hosts_dir = sandbox_mod.up(names=HOSTS, state_dir=state)
+    try:
+        repo = tmp_path_factory.mktemp("notes-repo")
+        for cmd in (["init", "-q", "-b", "main"], ["config", "user.name", "kdbench test"],
+                    ["config", "user.email", "kdbench-test@localhost"]):
+            subprocess.run(["git", *cmd], cwd=repo, check=True)
+        (repo / "README.md").write_text("notes\n")
+        subprocess.run(["git", "add", "README.md"], cwd=repo, check=True)
+        subprocess.run(["git", "commit", "-q", "-m", "init"], cwd=repo, check=True)
+        artifacts = tmp_path_factory.mktemp("artifacts")
+        env = {**os.environ,
+               "PREFECT_API_URL": prefect_api, "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-client")),
+               "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PREFECT_WORKER_QUERY_SECONDS": "1",
+               "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+               "KDBENCH_HOSTS": str(hosts_dir), "KDBENCH_ARTIFACTS": str(artifacts),
+               "KDBENCH_DOCS": str(repo / "docs"), "KDBENCH_REPO": str(repo), "KDBENCH_COMMIT": "1",
+               "KDBENCH_PROFILE": "smoke", "KDBENCH_SUITES": "kernels", "KDBENCH_REFERENCE": "pro6000",
+               "KDBENCH_UNREACHABLE_RUNS": "2", "KDBENCH_PROBE_RETRIES": "1", "KDBENCH_RETRY_BACKOFF_S": "0.2"}
+        yield {"state": state, "hosts": hosts_dir, "repo": repo, "artifacts": artifacts, "env": env,
+               "api": prefect_api}
+    finally:
+        sandbox_mod.down(state)
+
+
+class Served:
+    """`kdbench serve` as a subprocess, stopped by pid."""
+
+    def __init__(self, env: dict, log: Path):
+        self.log = log
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen([str(BIN / "kdbench"), "serve"], env=env, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            stop_process(self.proc.pid)
+
+
+def _wait_deployment(api: str, name: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"process exited {proc.returncode}: {log.read_text()[-2000:]}"
+        try:
+            _api(api, f"/deployments/name/{name}")
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"deployment {name} never appeared: {log.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def served(world: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    s = Served(world["env"], tmp_path_factory.mktemp("serve") / "serve.log")
+    try:
+        _wait_deployment(world["api"], "fleet/fleet", s.proc, s.log)
+        time.sleep(2)  # the runner starts polling right after registering
+        yield s
+    finally:
+        s.stop()
+
+
+def deployment_run(world: dict, name: str, *extra: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """The real CLI, exactly as documented; wall time recorded under the deployment name."""
+    t0 = time.monotonic()
+    res = subprocess.run([str(BIN / "prefect"), "deployment", "run", name, *extra, "--watch"],
+                         env=world["env"], capture_output=True, text=True, timeout=timeout_s)
+    TIMES[name] = time.monotonic() - t0
+    return res
+
+
+def _ok(res: subprocess.CompletedProcess) -> None:
+    assert res.returncode == 0, f"rc {res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-2000:]}"
+    assert "Completed" in res.stdout
+
+
+def _artifact(world: dict, key: str) -> str:
+    rows = _api(world["api"], "/artifacts/filter",
+                {"artifacts": {"key": {"any_": [key]}}, "sort": "CREATED_DESC", "limit": 1})
+    assert rows, f"no artifact {key}"
+    return json.dumps(rows[0]["data"]) if not isinstance(rows[0]["data"], str) else rows[0]["data"]
+
+
+def _notes_text(world: dict) -> str:
+    docs = world["repo"] / "docs"
+    return "\n".join(p.read_text() for p in sorted(docs.rglob("*.md")))
+
+
+@pytest.fixture(scope="module")
+def measured(world: dict, served: Served) -> subprocess.CompletedProcess:
+    """The healthy run every later test builds on (it is also the projections' reference)."""
+    return deployment_run(world, "bench/pro6000")
+
+
+def test_healthy_host_is_measured_ingested_and_noted(world: dict, measured: subprocess.CompletedProcess) -> None:
+    _ok(measured)
+    store = Store(str(world["artifacts"]))
+    runs = store.runs("pro6000")
+    assert [(r.source, r.status) for r in runs] == [("measured", "complete")]
+    run_id = runs[0].run_id
+    # the results are readable with pyarrow.dataset in one line
+    root = world["artifacts"] / "runs"
+    kernels = ds.dataset([str(p) for p in root.glob("host=*/run=*/kernels.arrow")], format="arrow",
+                         partitioning="hive", partition_base_dir=str(root)).to_table()
+    assert kernels.num_rows > 0 and set(kernels.column("host").to_pylist()) == {"pro6000"}
+    assert set(kernels.column("run").to_pylist()) == {run_id}
+    assert set(kernels.column("source").to_pylist()) == {"measured"}
+    host = load_host(world["hosts"], "pro6000")
+    assert host.status == "active" and host.last_seen is not None and host.unreachable_runs == 0
+    assert "pro6000" in _notes_text(world)
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=world["repo"], capture_output=True, text=True).stdout
+    assert "pro6000" in log.splitlines()[0]
+    summary = _artifact(world, "bench-pro6000")
+    assert "measured" in summary and run_id in summary and "uploaded" in summary
+    assert "pro6000" in _artifact(world, "host-pro6000")
+
+
+def test_fleet_runs_hosts_in_parallel(world: dict, measured: subprocess.CompletedProcess) -> None:
+    fleet = ["pro6000", "f2", "f3", "f4"]
+    res = deployment_run(world, "fleet/fleet", "--params", json.dumps({"hosts": fleet}))
+    _ok(res)
+    store = Store(str(world["artifacts"]))
+    for h in fleet:
+        assert any(r.source == "measured" and r.status == "complete" for r in store.runs(h)), h
+    ratio = TIMES["fleet/fleet"] / TIMES["bench/pro6000"]
+    print(f"\nfleet of {len(fleet)}: {TIMES['fleet/fleet']:.1f} s; one host: {TIMES['bench/pro6000']:.1f} s; "
+          f"ratio {ratio:.2f}")
+    assert ratio < 3.0, f"fleet took {ratio:.2f}x one host's time"
+
+
+def test_timed_out_bench_leaves_a_partial_run(world: dict, measured: subprocess.CompletedProcess) -> None:
+    """The full kernels sweep takes minutes on a CPU; a 12 s limit kills it mid-way."""
+    before = {r.run_id for r in Store(str(world["artifacts"])).runs("pro6000")}
+    res = deployment_run(world, "bench/pro6000", "--params",
+                         json.dumps({"profile": "full", "bench_timeout_s": 12}))
+    _ok(res)
+    new = [r for r in Store(str(world["artifacts"])).runs("pro6000") if r.run_id not in before]
+    assert [(r.source, r.status) for r in new] == [("measured", "partial")]
+    tables = Store(str(world["artifacts"])).load("pro6000", new[0].run_id)
+    assert tables["kernels"].num_rows > 0
+    assert {r["status"] for r in tables["runs"].to_pylist()} == {"partial"}
+    summary = _artifact(world, "bench-pro6000")
+    assert "timeout" in summary and "already on the host" in summary  # unchanged payload: nothing uploaded
+
+
+def _projected(world: dict, host: str) -> None:
+    runs = Store(str(world["artifacts"])).runs(host)
+    assert runs and runs[-1].source == "projected", runs
+    assert host in _notes_text(world)
+
+
+def test_revoked_client_key_retires_and_projects(world: dict, measured: subprocess.CompletedProcess) -> None:
+    sandbox_mod.fault("revoked", "revoke-key", world["state"])
+    _ok(deployment_run(world, "bench/revoked"))
+    host = load_host(world["hosts"], "revoked")
+    assert (host.status, host.retired_reason) == ("retired", "unauthorized") and host.retired_at is not None
+    _projected(world, "revoked")
+
+
+def test_rotated_host_key_retires_without_pinning_it(world: dict, measured: subprocess.CompletedProcess) -> None:
+    pinned = load_host(world["hosts"], "rotated").host_keys
+    sandbox_mod.fault("rotated", "rotate-hostkey", world["state"])
+    new_fp = next(r["host_key"] for r in sandbox_mod.status(world["state"]) if r["name"] == "rotated")
+    _ok(deployment_run(world, "bench/rotated"))
+    host = load_host(world["hosts"], "rotated")
+    assert (host.status, host.retired_reason) == ("retired", "host_key_changed")
+    assert host.presented_host_key_fingerprint == new_fp and host.host_keys == pinned
+    assert new_fp not in host.fingerprints()
+    _projected(world, "rotated")
+
+
+def test_stopped_host_is_released_after_n_unreachable_runs(world: dict, measured: subprocess.CompletedProcess) -> None:
+    sandbox_mod.fault("stopped", "stop", world["state"])
+    _ok(deployment_run(world, "bench/stopped"))
+    host = load_host(world["hosts"], "stopped")
+    assert (host.status, host.unreachable_runs) == ("active", 1)
+    _projected(world, "stopped")
+    _ok(deployment_run(world, "bench/stopped"))
+    host = load_host(world["hosts"], "stopped")
+    assert (host.status, host.retired_reason, host.unreachable_runs) == ("retired", "released", 2)
+
+
+def test_process_worker_runs_the_same_deployments(world: dict, served: Served,
+                                                  measured: subprocess.CompletedProcess,
+                                                  tmp_path: Path) -> None:
+    """The team setup: deployments in a process work pool, run by `prefect worker start`."""
+    served.stop()  # one runner at a time: the served deployments are re-registered into the pool
+    reg = subprocess.run([str(BIN / "kdbench"), "serve", "--pool", "kdbench-test"], env=world["env"],
+                         capture_output=True, text=True, timeout=120)
+    assert reg.returncode == 0, reg.stderr
+    log = tmp_path / "worker.log"
+    with log.open("wb") as out:
+        worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "kdbench-test",
+                                   "--type", "process"], env=world["env"], stdout=out,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        before = len(Store(str(world["artifacts"])).runs("pro6000"))
+        res = deployment_run(world, "bench/pro6000")
+        _ok(res)
+        assert len(Store(str(world["artifacts"])).runs("pro6000")) == before + 1
+    finally:
+        stop_process(worker.pid)
