@@ -66,7 +66,7 @@ class RunReport(BaseModel):
     """What one bench run did; published as the run's artifacts and returned by the flow."""
 
     host: str
-    route: str  # measured | retired | unauthorized | host_key_changed | host_key_unknown | unreachable | timeout
+    route: str  # measured | retired | not_configured | unauthorized | host_key_changed | host_key_unknown | unreachable | timeout
     outcome: str  # measured | partial | projected | unmeasured
     detail: str = ""
     run_id: str | None = None  # the measured run
@@ -250,8 +250,8 @@ def write_notes(store: Store, settings: Settings, subject: str, reference: str,
             paths_in_repo = [*paths, *(y for y in yamls if y.resolve().is_relative_to(repo))]
             message = "\n".join([subject, "", *notes_mod.summary_lines(store, inv, reference)]) + "\n"
             commit = notes_mod.commit_notes(repo, paths_in_repo, message, inv)
-    rel = [_rel(p, settings.docs_dir.parent) for p in paths]
-    log.info("notes: %d file(s) under %s/notes%s", len(paths), settings.docs_dir.name,
+    rel = [_rel(p, settings.docs_dir.parent) for p in paths if p.suffix == ".md"]
+    log.info("notes: %d page(s) under %s/notes%s", len(rel), settings.docs_dir.name,
              f", committed {commit[:10]}" if commit else (" (not committed)" if not settings.commit else ", unchanged"))
     return rel, commit
 
@@ -398,6 +398,12 @@ def bench(host: str, suites: list[str] | None = None, profile: str | None = None
             report = RunReport(host=host, route="retired", outcome="unmeasured",
                                detail=f"retired ({h.retired_reason}) since {h.retired_at:%Y-%m-%d}" if h.retired_at
                                else f"retired ({h.retired_reason})")
+        elif h.is_placeholder():
+            log.warning("%s: the address in its YAML is still the shipped placeholder; not contacted. "
+                        "Fill in address, user and key_file, then pin its key with `kdbench hosts trust %s`",
+                        host, host)
+            report = RunReport(host=host, route="not_configured", outcome="unmeasured",
+                               detail="address is a placeholder: not contacted")
         else:
             res = probe_host(h, s.hosts_dir, s.probe_retries, s.retry_backoff_s)
             if res.outcome == "ok":

@@ -126,8 +126,9 @@ def ensure_venv(remote: Remote, host: Host, log: logging.Logger | logging.Logger
     venv = f"{host.work_dir.rstrip('/')}/venv"
     py = f"{venv}/bin/python"
     if remote.run(["test", "-x", py], timeout_s=SHORT_S).rc != 0:
-        _check(remote.run([host.python, "-m", "venv", "--system-site-packages", venv], timeout_s=600),
-               "create venv")
+        # no pip unless something must be installed: ensurepip is most of a venv's creation time
+        _check(remote.run([host.python, "-m", "venv", "--system-site-packages", "--without-pip", venv],
+                          timeout_s=600), "create venv")
         sites = json.loads(_check(remote.run([host.python, "-c", _SITE], timeout_s=SHORT_S), "read host site-packages"))
         if not all(isinstance(s, str) for s in sites):
             raise DeployError("host python reported malformed site-packages")
@@ -140,6 +141,8 @@ def ensure_venv(remote: Remote, host: Host, log: logging.Logger | logging.Logger
     reqs = [REQUIREMENTS[m] for m in missing]
     if reqs:
         log.info("installing on %s: %s", host.name, " ".join(reqs))
+        if remote.run([py, "-m", "pip", "--version"], timeout_s=SHORT_S).rc != 0:
+            _check(remote.run([py, "-m", "ensurepip", "--default-pip"], timeout_s=600), "ensurepip")
         _check(remote.run([py, "-m", "pip", "install", "--quiet", *reqs], timeout_s=1800, on_line=on_line),
                "pip install")
     return py, reqs

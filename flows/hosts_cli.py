@@ -26,7 +26,7 @@ HostsDir = typer.Option(
     show_default=False,
 )
 
-out = Console()
+out = Console(soft_wrap=True)
 err = Console(stderr=True)
 
 
@@ -67,7 +67,10 @@ def add(
     address: str = typer.Option(..., help="DNS name or IP address."),
     port: int = typer.Option(22, help="SSH port."),
     user: str = typer.Option(..., help="Login user."),
-    key: str = typer.Option(..., "--key", help="Private key file used to log in (only this key is offered)."),
+    key: str = typer.Option(
+        ..., "--key",
+        help="Private key file to log in with (the only key offered); relative to the inventory folder, ~ expands.",
+    ),
     spec: str = typer.Option(..., help="Spec sheet name from hosts/specs/ (e.g. h200-sxm)."),
     gpus: int = typer.Option(..., help="Number of GPUs."),
     arch: str = typer.Option(..., help="sm_90, sm_100, sm_103, sm_120 or cpu."),

@@ -341,13 +341,8 @@ def write_new_host(hosts_dir: Path, host: Host) -> Path:
     with _lock(hosts_dir, host.name):
         if path.exists() or path.with_suffix(".yml").exists():
             raise InventoryError(f"{_rel(path)}: host {host.name!r} already exists")
-        data = {k: _to_yaml_value(v) for k, v in host.model_dump().items()}
         _check_host(path, host, load_specs(Path(hosts_dir)), Path(hosts_dir))
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            _yaml().dump(data, f)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        _atomic_write(path, {k: _to_yaml_value(v) for k, v in host.model_dump().items()})
     return path
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import statistics
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,10 @@ class Run:
 
     def rows(self, table: str) -> list[dict[str, Any]]:
         return self.tables[table].to_pylist() if table in self.tables else []
+
+    @property
+    def partial(self) -> bool:
+        return any(r["status"] == "partial" for r in self.rows("runs"))
 
     @property
     def runs_row(self) -> dict[str, Any]:
@@ -91,10 +94,10 @@ class HostView:
 # -- gathering ----------------------------------------------------------------------------------
 
 def measured_runs(store: Store, name: str) -> list[Run]:
-    """Every complete measured run of a host: ingested runs and committed reference sets."""
+    """Every measured run of a host (partial ones too): ingested runs and committed reference sets."""
     runs: dict[str, tuple[str, Run]] = {}
     for info in store.runs(name):
-        if info.source == "measured" and info.status == "complete":
+        if info.source == "measured":
             runs[info.run_id] = (info.started_at or "", Run(info.run_id, store.load(name, info.run_id)))
     for ref in store.references():
         tables = store.reference(ref)
@@ -127,8 +130,8 @@ def projected_now(ref: Reference, inv: Inventory, name: str) -> Projected:
 def gather(store: Store, inv: Inventory, reference: str = "h200") -> list[HostView]:
     """Views of every inventory host and every host with data, sorted by name.
 
-    A host without a measured run shows the newest projection stored for it, else one computed
-    now from `reference` (the same deterministic computation the flows store).
+    A host without a measured run shows a projection: the one computed now from `reference` (the
+    same deterministic computation the flows store), or a stored one made from a newer reference.
     """
     names = set(inv.hosts) | {r.host for r in store.runs()}
     for ref_name in store.references():
@@ -145,13 +148,15 @@ def gather(store: Store, inv: Inventory, reference: str = "h200") -> list[HostVi
         spec = inv.specs.get(host.spec) if host else None
         view = HostView(name, host, spec, measured_runs(store, name))
         if not view.measured:
-            view.projection = stored_projection(store, inv, name)
-            if view.projection is None and ref is None:
+            # the projection from the newest reference: a stored one, or one computed now
+            options = [p for p in (stored_projection(store, inv, name),
+                                   projected_now(ref, inv, name) if ref and spec else None) if p]
+            if options:
+                view.projection = max(reversed(options), key=lambda p: p.run.runs_row["started_at"] or "")
+            elif ref is None:
                 view.missing = ref_error
-            elif view.projection is None and spec is None:
+            else:
                 view.missing = f"host {name} is not in the inventory, so it has no spec sheet to project onto"
-            elif view.projection is None:
-                view.projection = projected_now(ref, inv, name)
         views.append(view)
     return views
 
@@ -190,6 +195,11 @@ def best_e2e(run: Run) -> dict[str, Any] | None:
 
 def fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def sig(x: float | None) -> str:
+    """Four significant digits: ceilings span CPU sandboxes (GB/s) to B300s (TB/s)."""
+    return "-" if x is None else f"{x:.4g}"
 
 
 def tbps(gbps: float) -> str:
@@ -267,10 +277,9 @@ def environment(view: HostView, run: Run) -> list[str]:
     if view.kind == "measured":
         rows += [(k, str(r[k])) for k in ("gpu_name", "driver", "cuda", "torch", "triton", "python",
                                           "payload_hash", "device", "profile", "started_at") if r.get(k)]
-        rows += [("measured copy bandwidth", f"{fmt(copy, 0)} GB/s"),
-                 ("measured bf16 matmul", f"{fmt(mm, 0)} TFLOP/s")]
+        rows += [("measured copy bandwidth", f"{sig(copy)} GB/s"), ("measured matmul", f"{sig(mm)} TFLOP/s")]
     else:
-        rows += [("projected ceilings", f"{fmt(copy, 0)} GB/s, {fmt(mm, 0)} TFLOP/s bf16")]
+        rows += [("projected ceilings", f"{sig(copy)} GB/s, {sig(mm)} TFLOP/s")]
     rows.append(("run", run.run_id))
     return ["## Environment", ""] + _table(("", ""), rows)
 
@@ -289,7 +298,7 @@ def moe_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
     for k in pts:
         t = k["time_us_p50"]
         gb = k["bytes"] / (t * 1e3)
-        row = [str(k["M"]), fmt(t), fmt(t / k["M"], 2), fmt(gb, 0), fmt(100 * gb / copy if copy else None),
+        row = [str(k["M"]), fmt(t), fmt(t / k["M"], 2), sig(gb), fmt(100 * gb / copy if copy else None),
                fmt(100 * gb / spec_bw if spec_bw else None),
                f"{k['unique_experts'] if k['unique_experts'] is not None else '-'} ({fmt(k['expected_experts'])})"]
         if projected:
@@ -309,8 +318,9 @@ def moe_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
         pct.append((f"% of spec BW ({spec_bw:,.0f} GB/s)", [k["M"] for k in pts],
                     [100 * k["bytes"] / (k["time_us_p50"] * 1e3) / spec_bw for k in pts], None))
     plots.lines(out_dir / "moe_pct_peak_bw.png", pct, f"{name}: bandwidth", "M (tokens)", "% of peak")
+    shape = f"E={pts[0]['E']} routed experts, top-{pts[0]['top_k']}, H={pts[0]['K']}"
     return ["## MoE W4A16 GEMM", "",
-            f"K2 routed experts, {impl}; plateau M = {plateau_m(pts)} (first M reaching "
+            f"{shape}, {impl}; plateau M = {plateau_m(pts)} (first M reaching "
             f"{PLATEAU:.0%} of the best bandwidth).", ""] + _table(head, rows) + [
         f"![MoE us per token]({rel}/moe_us_per_token.png)", "",
         f"![MoE % of peak bandwidth]({rel}/moe_pct_peak_bw.png)", ""]
@@ -328,7 +338,7 @@ def other_kernels(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str
         row = [k["kernel"], k["impl"], fmt(k["batch"], 0) if k["batch"] is not None else "-",
                str(k["budget"]) if k["budget"] is not None else "-",
                str(k["context"]) if k["context"] is not None else "-", fmt(t),
-               fmt(k["bytes"] / (t * 1e3), 0), fmt(k["flops"] / (t * 1e6), 2),
+               sig(k["bytes"] / (t * 1e3)), sig(k["flops"] / (t * 1e6)),
                k["regime"] or regime_of(k, *ceilings_of(run, view.spec))]
         if projected:
             row += [f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}", k["reference_regime"] or "-"]
@@ -367,7 +377,7 @@ def e2e_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
     if not rows:
         return ["## End to end", "", "No e2e points in this run.", ""]
     projected = view.kind == "projected"
-    head = ["config", "layers", "budget", "concurrency", "acceptance length", "tokens/s", "step ms"]
+    head = ["config", "layers", "budget", "concurrency", "accepted / step", "tokens/s", "step ms"]
     if projected:
         head.insert(6, "band (tokens/s)")
     table = []
@@ -377,12 +387,15 @@ def e2e_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
         if projected:
             r.insert(6, f"{fmt(e['tokens_per_s_low'], 0)}-{fmt(e['tokens_per_s_high'], 0)}")
         table.append(r)
-    out = ["## End to end", "", "Tokens/s = acceptance length x concurrency / step time.", ""] + _table(head, table)
+    level = sorted({e["synthetic_accept"] for e in rows if e["synthetic_accept"] is not None})
+    out = ["## End to end", "",
+           "Tokens/s = (accepted draft tokens + 1 bonus token) x concurrency / step time. Acceptance is "
+           f"synthetic (drafter steered at level {', '.join(f'{x:g}' for x in level) or '-'}).", ""] + _table(head, table)
     # the step split and its Amdahl shares; for a projection, the reference's next to the target's
     ref_rows = {}
     if projected and view.projection.ref:
         ref_rows = {(e["config"], e["budget"], e["concurrency"]): e for e in view.projection.ref.rows("e2e")}
-    head = ["concurrency"] + [t.removesuffix("_ms") for t in TERMS] + ["step ms"]
+    head = ["point"] + [t.removesuffix("_ms") for t in TERMS] + ["step ms"]
     split, bars = [], []
     for e in rows:
         key = (e["config"], e["budget"], e["concurrency"])
@@ -391,7 +404,7 @@ def e2e_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
         for side, row in sides:
             b = breakdown(row)
             step = sum(b.values())
-            label = f"c={e['concurrency']} {side}" if projected else f"c={e['concurrency']}"
+            label = f"B={e['budget']} c={e['concurrency']}" + (f" {side}" if projected else "")
             split.append([label] + [f"{fmt(b[t], 2)} ({100 * b[t] / step:.0f}%)" for t in TERMS] + [fmt(step, 2)])
             bars.append((label, b))
     plots.amdahl(out_dir / "amdahl.png", bars,
@@ -467,7 +480,9 @@ def render_host(view: HostView, docs_dir: Path) -> str:
     gpu = f" ({view.spec.gpu})" if view.spec else ""
     if view.kind == "measured":
         lines = [f"# {view.name}{gpu}: measured", "",
-                 f"**Data: measured.** Latest run {run.run_id}; inventory status: {status_line(view)}.", ""]
+                 f"**Data: measured.** Latest run {run.run_id}"
+                 f"{' (partial: some suites did not finish)' if run.partial else ''}; "
+                 f"inventory status: {status_line(view)}.", ""]
     elif view.kind == "projected":
         lines = [f"# {view.name}{gpu}: projected", "",
                  f"**Data: projected** from {view.projection.ref_host} run {view.projection.ref_run_id}; "
@@ -490,8 +505,10 @@ def render_index(views: Sequence[HostView]) -> str:
         run = v.latest
         started = (run.runs_row.get("started_at") or "-") if run else "-"
         gpu = f"{v.host.gpus} x {v.spec.gpu}" if v.host and v.spec else "-"
-        retired = f"{v.host.retired_reason or '-'}, {v.host.retired_at.date().isoformat() if v.host.retired_at else '-'}" \
-            if v.host and v.host.status == "retired" else "-"
+        retired = "-"
+        if v.host and v.host.status == "retired":
+            when = v.host.retired_at.date().isoformat() if v.host.retired_at else "-"
+            retired = f"{v.host.retired_reason or '-'}, {when}"
         status = v.host.status if v.host else "not in inventory"
         rows.append([f"[{v.name}]({v.name}.md)", gpu, v.host.interconnect if v.host else "-", status, retired,
                      v.kind, f"{run.run_id} ({started})" if run else "-", headline(v)])
@@ -505,34 +522,52 @@ def render_index(views: Sequence[HostView]) -> str:
 
 # -- leaks ----------------------------------------------------------------------------------------
 
-_IPV4 = re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}\b")
-_KEYISH = re.compile(r"(~/|/home/|/root/|\.ssh\b|id_rsa|id_ed25519|id_ecdsa|BEGIN [A-Z ]*PRIVATE KEY)")
+_OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+_IPV4 = re.compile(rf"(?<![\d.]){_OCTET}(?:\.{_OCTET}){{3}}(?![\d.])")
+_KEYISH = re.compile(r"(?:~|/home|/root)/\S*|\S*\.ssh\b\S*|\S*\bid_(?:rsa|ed25519|ecdsa)\S*|BEGIN [A-Z ]*PRIVATE KEY")
+_LOGIN = re.compile(r"[\w.-]+@(?=[\w\[])")
 
 
-def leaks(text: str, inv: Inventory) -> list[str]:
-    """Addresses, user names and key paths of the inventory (or anything shaped like them) in `text`."""
-    found = [m for m in _IPV4.findall(text)] + [m for m in _KEYISH.findall(text)]
-    for h in inv.hosts.values():
-        for label, value in (("address", h.address), ("user", h.user), ("key path", h.key_file)):
-            if value and re.search(rf"(?<![\w.-]){re.escape(value)}(?![\w.-])", text):
-                found.append(f"{label} of {h.name}")
-    return sorted(set(found))
+def _patterns(inv: Inventory | None) -> list[tuple[str, re.Pattern[str]]]:
+    pats = []
+    for h in (inv.hosts.values() if inv else ()):
+        word = rf"(?<![\w.-]){{}}(?![\w.-])"
+        pats += [(f"the address of {h.name}", re.compile(word.format(re.escape(h.address)))),
+                 (f"the key path of {h.name}", re.compile(word.format(re.escape(h.key_file)))),
+                 # a user name is often a common word (root, kdbench): look for it where it names a login
+                 (f"the user of {h.name}", re.compile(rf"(?<![\w.-]){re.escape(h.user)}@|/home/{re.escape(h.user)}\b"))]
+    # then anything shaped like one, whoever it belongs to
+    return pats + [("an IPv4 address", _IPV4), ("a home or key path", _KEYISH), ("a login (user@host)", _LOGIN)]
+
+
+def leaks(text: str, inv: Inventory | None = None) -> list[str]:
+    """What `text` would reveal: inventory addresses, logins and key paths, or anything shaped like them.
+
+    Returns labels, never the matched text, so the error that reports a leak does not repeat it.
+    """
+    return sorted({label for label, pat in _patterns(inv) if pat.search(text)})
+
+
+def redact(text: str, inv: Inventory | None = None) -> str:
+    for _, pat in _patterns(inv):
+        text = pat.sub("[redacted]", text)
+    return text
 
 
 def render_notes(store: Store, inv: Inventory, docs_dir: Path, reference: str = "h200") -> list[Path]:
     """Write every host page, its plots and the fleet index under docs_dir/notes/; returns the files."""
     views = gather(store, inv, reference)
-    docs_dir = Path(docs_dir) / "notes"
-    docs_dir.mkdir(parents=True, exist_ok=True)
-    pages = {docs_dir / f"{v.name}.md": render_host(v, docs_dir) for v in views}
-    pages[docs_dir / "README.md"] = render_index(views)
+    notes_dir = Path(docs_dir) / "notes"
+    notes_dir.mkdir(parents=True, exist_ok=True)
+    pages = {notes_dir / f"{v.name}.md": render_host(v, notes_dir) for v in views}
+    pages[notes_dir / "README.md"] = render_index(views)
     for path, text in pages.items():
         bad = leaks(text, inv)
         if bad:
-            raise NotesError(f"{path.name} would reveal {', '.join(bad)}; nothing written")
+            raise NotesError(f"{path.name} would reveal {', '.join(bad)}; no page written")
     for path, text in pages.items():
         path.write_text(text)
-    pngs = [p for v in views for p in sorted((docs_dir / v.name).glob("*.png"))]
+    pngs = [p for v in views for p in sorted((notes_dir / v.name).glob("*.png"))]
     return sorted([*pages, *pngs])
 
 
@@ -545,26 +580,28 @@ def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProc
 
 
 def commit_notes(repo: Path, paths: Sequence[Path], message: str, inv: Inventory | None = None) -> str | None:
-    """Commit exactly `paths` (under docs/ or hosts/) when they changed; returns the commit id or None."""
+    """Commit exactly `paths` (under docs/ or hosts/) when they changed; returns the commit id or None.
+
+    The message is redacted first (addresses, logins, key paths), since callers build it from
+    run details that may quote an SSH error.
+    """
     repo = Path(repo).resolve()
     rels = []
     for p in paths:
-        rel = Path(p).resolve().relative_to(repo) if Path(p).is_absolute() else Path(p)
-        if rel.parts[:1] not in (("docs",), ("hosts",)):
-            raise NotesError(f"refusing to commit {rel}: notes commits touch only docs/ and hosts/")
-        rels.append(str(rel))
-    if inv is not None and leaks(message, inv):
-        raise NotesError(f"commit message would reveal {', '.join(leaks(message, inv))}")
+        full = Path(p).resolve() if Path(p).is_absolute() else repo / p
+        if not full.is_relative_to(repo) or full.relative_to(repo).parts[:1] not in (("docs",), ("hosts",)):
+            raise NotesError(f"refusing to commit {Path(p).name}: notes commits touch only docs/ and hosts/")
+        rels.append(str(full.relative_to(repo)))
     if not rels:
         return None
     try:
         _git(repo, "add", "-A", "--", *rels)
         if _git(repo, "diff", "--cached", "--quiet", "--", *rels, check=False).returncode == 0:
             return None
-        _git(repo, "commit", "-q", "-m", message, "--", *rels)
+        _git(repo, "commit", "-q", "-m", redact(message, inv), "--", *rels)
         return _git(repo, "rev-parse", "HEAD").stdout.strip()
     except subprocess.CalledProcessError as e:
-        raise NotesError(f"git {e.cmd[3]} failed: {e.stderr.strip()[:300]}") from None
+        raise NotesError(f"git {e.cmd[3]} failed: {redact(e.stderr.strip()[:300], inv)}") from None
 
 
 def notes_message(store: Store, inv: Inventory, reference: str = "h200") -> str:

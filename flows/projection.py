@@ -18,11 +18,12 @@ from typing import Any, Iterable, Sequence
 
 import pyarrow as pa
 from prefect import task
+from prefect.cache_policies import NONE
 
 from engine.config import CONFIGS
 from engine.schema import provenance, to_table
 from flows.inventory import Host, Inventory, Spec
-from flows.store import Store, StoreError
+from flows.store import Store
 
 MEMORY, COMPUTE, HOST = "memory", "compute", "host"
 TERMS = ("draft_ms", "tree_build_ms", "verify_ms", "accept_ms", "other_ms", "comm_ms")
@@ -32,9 +33,14 @@ LAUNCH_FLOOR_US = 3.0
 # All-reduce constants used when the reference has no comm measurement of its own.
 DEFAULT_ALPHA_US = {"nvlink": 8.0, "pcie": 15.0}
 DEFAULT_LINK_EFF = (0.6, 0.75, 0.9)   # low, central, high fraction of the link's spec bandwidth
+# Kernel names as engine.bench writes them; the issue's family names are accepted as aliases.
+ALIASES = {"mla_verify": "mla_tree_attention", "tree_build": "build_tree"}
+# The torch references of the tree kernels are Python loops on the host: GPU speed does not move them.
+HOST_SIDE = {("build_tree", "torch"), ("tree_accept", "torch")}
 # Term of the e2e step -> kernel families whose projected/measured ratio scales it.
-TERM_FAMILIES = {"verify_ms": ("moe_w4a16", "mla_verify"), "tree_build_ms": ("tree_build",),
+TERM_FAMILIES = {"verify_ms": ("moe_w4a16", "mla_tree_attention"), "tree_build_ms": ("build_tree",),
                  "accept_ms": ("tree_accept",)}
+E2E_CONTEXT = 512   # typical context of an e2e step (prompts of 256-512 tokens plus the new ones)
 
 
 class ProjectionError(Exception):
@@ -53,6 +59,12 @@ class Reference:
     interconnect: str
     tables: dict[str, pa.Table]
 
+    @property
+    def e2e_gpus(self) -> int:
+        """GPUs the e2e steps ran on: all of the host's when they paid for communication, else one."""
+        rows = self.tables["e2e"].to_pylist() if "e2e" in self.tables else []
+        return self.gpus if any((r["comm_ms"] or 0) > 0 for r in rows) else 1
+
 
 @dataclass
 class Projection:
@@ -65,23 +77,65 @@ class Projection:
     assumptions: list[str] = field(default_factory=list)
 
 
-# -- reference data -------------------------------------------------------------------------
+# -- ceilings -----------------------------------------------------------------------------------
 
-def ceilings(runs: pa.Table, spec: Spec) -> tuple[float, float]:
-    """The reference's measured copy GB/s and bf16 matmul TFLOP/s; the spec's when not measured."""
-    rows = runs.to_pylist()
-    copy = max((r["copy_gbps"] for r in rows if r["copy_gbps"]), default=None)
-    mm = max((r["matmul_tflops"] for r in rows if r["matmul_tflops"]), default=None)
-    return copy or spec.mem_bw_gbps, mm or peak_tflops(spec, "bf16")
+# engine.bench writes torch dtype names; spec sheets key their peaks by the short names
+DTYPE_KEYS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
+              "float8_e4m3fn": "fp8", "int8": "int8"}
 
 
 def peak_tflops(spec: Spec, dtype: str) -> float:
     """Dense peak of the kernel's math dtype; mixed formats (w4a16) and integers run on bf16 units."""
-    for key in (dtype, "bf16", "fp16"):
+    for key in (DTYPE_KEYS.get(dtype, dtype), "bf16", "fp16"):
         if spec.tflops.get(key):
             return spec.tflops[key]
     return max(spec.tflops.values())
 
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Attainable GB/s and TFLOP/s of a device: its spec peaks times the fractions a measurement reached."""
+
+    spec: Spec
+    bw_frac: float
+    fl_frac: float
+    mm_dtype: str          # the dtype of the measured matmul ceiling
+
+    @property
+    def gbps(self) -> float:
+        return self.spec.mem_bw_gbps * self.bw_frac
+
+    def tflops(self, dtype: str | None = None) -> float:
+        return peak_tflops(self.spec, dtype or self.mm_dtype) * self.fl_frac
+
+    def of(self, dtype: str) -> tuple[float, float]:
+        return self.gbps, self.tflops(dtype)
+
+    def carried_to(self, spec: Spec) -> "Ceilings":
+        """The same fractions of another spec sheet: how the reference's ceilings travel."""
+        return Ceilings(spec, self.bw_frac, self.fl_frac, self.mm_dtype)
+
+
+def measured_ceilings(runs: pa.Table, spec: Spec) -> Ceilings:
+    """runs.copy_gbps / matmul_tflops against the spec (the spec itself when not measured)."""
+    rows = runs.to_pylist()
+    copy = max((r["copy_gbps"] for r in rows if r["copy_gbps"]), default=None)
+    mm = max((r["matmul_tflops"] for r in rows if r["matmul_tflops"]), default=None)
+    mm_dtype = "float32" if any(r["device"] == "cpu" for r in rows) else "bfloat16"   # as engine.bench times it
+    return Ceilings(spec, copy / spec.mem_bw_gbps if copy else 1.0,
+                    mm / peak_tflops(spec, mm_dtype) if mm else 1.0, mm_dtype)
+
+
+def host_side(row: dict[str, Any]) -> bool:
+    """Points that run on the host whatever the GPU: CPU kernels and the Python tree references."""
+    return row["impl"] == "cpu" or (family(row["kernel"]), row["impl"]) in HOST_SIDE
+
+
+def family(kernel: str) -> str:
+    return ALIASES.get(kernel, kernel)
+
+
+# -- reference data -------------------------------------------------------------------------
 
 def load_reference(store: Store, inv: Inventory, name: str) -> Reference:
     """A committed reference set `name`, else the latest complete measured run of host `name`."""
@@ -131,14 +185,13 @@ def _own_effs(row: dict[str, Any], t_us: float, bw: float, tfl: float) -> tuple[
     return tb / work, tf / work
 
 
-def family_effs(rows: Sequence[dict[str, Any]], bw: float, spec: Spec, tfl_bf16: float,
-                spec_bf16: float) -> dict[tuple, dict[str, list[float]]]:
+def family_effs(rows: Sequence[dict[str, Any]], ceil: Ceilings) -> dict[tuple, dict[str, list[float]]]:
     """Per (kernel, impl, dtype): efficiencies of the points bound by each resource, for borrowing."""
     out: dict[tuple, dict[str, list[float]]] = {}
     for r in rows:
-        if r["impl"] == "cpu":
+        if host_side(r):
             continue
-        tfl = peak_tflops(spec, r["dtype"]) * tfl_bf16 / spec_bf16
+        bw, tfl = ceil.of(r["dtype"])
         e_bw, e_fl = _own_effs(r, r["time_us_p50"], bw, tfl)
         fam = out.setdefault((r["kernel"], r["impl"], r["dtype"]), {MEMORY: [], COMPUTE: []})
         bound = regime(*_ideal_us(r, bw, tfl))
@@ -148,13 +201,13 @@ def family_effs(rows: Sequence[dict[str, Any]], bw: float, spec: Spec, tfl_bf16:
 
 def project_point(row: dict[str, Any], ref: tuple[float, float], tgt: tuple[float, float],
                   fam: dict[str, list[float]] | None) -> dict[str, Any]:
-    """One kernel point on the target: (time, low, high, regime, reference regime).
+    """One kernel point on the target: time, low-high band, regime on both sides.
 
     `ref`/`tgt` are (GB/s, TFLOP/s) ceilings for the point's dtype. The bound resource keeps the
     point's own efficiency; the other borrows the family's (never below what the point achieved
     on it), so a point that crosses the ridge on the target is timed by its family's efficiency.
     """
-    if row["impl"] == "cpu":
+    if host_side(row):
         t = row["time_us_p50"]
         return {"time_us_p50": t, "time_us_low": row["time_us_p10"] or t,
                 "time_us_high": row["time_us_p90"] or t, "regime": HOST, "reference_regime": HOST}
@@ -192,27 +245,17 @@ class Target:
     interconnect: str
 
 
-def _scale(ref: Reference, target: Target) -> tuple[float, float, float, float, float]:
-    """(ref GB/s, ref bf16 TF, target GB/s, target bf16 TF, ref spec bf16) with the measured fraction carried."""
-    bw_ref, tfl_ref = ceilings(ref.tables["runs"], ref.spec)
-    spec_bf16 = peak_tflops(ref.spec, "bf16")
-    bw_tgt = target.spec.mem_bw_gbps * bw_ref / ref.spec.mem_bw_gbps
-    tfl_tgt = peak_tflops(target.spec, "bf16") * tfl_ref / spec_bf16
-    return bw_ref, tfl_ref, bw_tgt, tfl_tgt, spec_bf16
-
-
 def project_kernels(ref: Reference, target: Target, run_id: str) -> list[dict[str, Any]]:
-    bw_ref, tfl_ref, bw_tgt, tfl_tgt, spec_bf16 = _scale(ref, target)
     if "kernels" not in ref.tables:
         return []
+    ref_c = measured_ceilings(ref.tables["runs"], ref.spec)
+    tgt_c = ref_c.carried_to(target.spec)
     rows = [r for r in ref.tables["kernels"].to_pylist() if r["source"] == "measured"]
-    fams = family_effs(rows, bw_ref, ref.spec, tfl_ref, spec_bf16)
+    fams = family_effs(rows, ref_c)
     out = []
     for r in rows:
-        frac = tfl_ref / spec_bf16
-        ref_c = (bw_ref, peak_tflops(ref.spec, r["dtype"]) * frac)
-        tgt_c = (bw_tgt, peak_tflops(target.spec, r["dtype"]) * frac)
-        p = project_point(r, ref_c, tgt_c, fams.get((r["kernel"], r["impl"], r["dtype"])))
+        p = project_point(r, ref_c.of(r["dtype"]), tgt_c.of(r["dtype"]),
+                          fams.get((r["kernel"], r["impl"], r["dtype"])))
         t = p["time_us_p50"]
         out.append({**r, **p, "run_id": run_id, "source": "projected", "reference_run_id": ref.run_id,
                     "device": "cpu" if target.spec.arch == "cpu" else "cuda",
@@ -256,7 +299,8 @@ def comm_model(ref: Reference, target: Target) -> CommModel:
     """Alpha and link efficiency from the reference's all-reduce measurements, else defaults."""
     link = link_gbps(target.spec, target.interconnect)
     rows = [r for r in ref.tables["comm"].to_pylist()
-            if r["status"] == "ok" and r["time_us_p50"] and r["busbw_gbps"]] if "comm" in ref.tables else []
+            if r["op"] == "all_reduce" and r["status"] == "ok" and r["time_us_p50"] and r["busbw_gbps"]] \
+        if "comm" in ref.tables else []
     ref_link = link_gbps(ref.spec, ref.interconnect)
     if rows and ref_link:
         small = min(r["bytes"] for r in rows)
@@ -301,17 +345,19 @@ def _nearest(rows: list[dict[str, Any]], want: dict[str, float]) -> dict[str, An
     return min(rows, key=dist) if rows else None
 
 
-def term_ratios(kern: list[dict[str, Any]], proj: list[dict[str, Any]], e2e: dict[str, Any]) -> dict[str, tuple[float, float, float]]:
+def term_ratios(kern: list[dict[str, Any]], proj: list[dict[str, Any]],
+                e2e: dict[str, Any]) -> dict[str, tuple[float, float, float]]:
     """Projected/measured time ratio (central, low, high) of each GPU term of one e2e point."""
-    pairs = [(m, p) for m, p in zip(kern, proj) if m["impl"] != "cpu"]
+    pairs = [(m, p) for m, p in zip(kern, proj) if not host_side(m)]
     conc, budget = e2e["concurrency"], e2e["budget"]
-    shape = {"moe_w4a16": {"M": conc * (budget + 1)}, "mla_verify": {"batch": conc, "budget": budget},
-             "tree_build": {"batch": conc, "budget": budget}, "tree_accept": {"batch": conc, "budget": budget}}
+    shape = {"moe_w4a16": {"M": conc * (budget + 1)},
+             "mla_tree_attention": {"batch": conc, "budget": budget, "context": E2E_CONTEXT},
+             "build_tree": {"batch": conc, "budget": budget}, "tree_accept": {"batch": conc, "budget": budget}}
     out: dict[str, tuple[float, float, float]] = {}
     for term, families in TERM_FAMILIES.items():
         picked = []
         for fam in families:
-            cands = [(m, p) for m, p in pairs if m["kernel"] == fam]
+            cands = [(m, p) for m, p in pairs if family(m["kernel"]) == fam]
             prefer = [c for c in cands if c[0]["impl"] == "triton"] or cands
             best = _nearest([m for m, _ in prefer], shape[fam])
             picked += [(m, p) for m, p in prefer if m is best]
@@ -330,16 +376,18 @@ def term_ratios(kern: list[dict[str, Any]], proj: list[dict[str, Any]], e2e: dic
 
 def project_e2e(ref: Reference, target: Target, run_id: str, kern: list[dict[str, Any]],
                 proj: list[dict[str, Any]], comm: CommModel) -> list[dict[str, Any]]:
+    """Carry each measured step over term by term: GPU terms by their kernels' ratios, host terms kept,
+    comm from the target's links (scaled by how the reference's own comm compared with the model)."""
     if "e2e" not in ref.tables:
         return []
+    at_ref = comm_model(ref, Target(ref.host, ref.spec, ref.e2e_gpus, ref.interconnect))
     out = []
     for r in ref.tables["e2e"].to_pylist():
         if r["source"] != "measured" or not r["step_ms_p50"]:
             continue
         cfg = CONFIGS.get(r["config"].split("/")[0], CONFIGS["k2"])
         ratios = term_ratios(kern, proj, r)
-        n_ref = ref.gpus if (r.get("comm_ms") or 0) > 0 else 1
-        split = n_ref / max(target.gpus, 1)   # tensor parallel: the target forward divides over the GPUs
+        split = ref.e2e_gpus / max(target.gpus, 1)   # tensor parallel: the target forward divides over the GPUs
         terms = breakdown(r)
         cols = {}
         bands = {"low": 0.0, "high": 0.0}
@@ -348,7 +396,9 @@ def project_e2e(ref: Reference, target: Target, run_id: str, kern: list[dict[str
                 tokens = r["concurrency"] * (r["budget"] + 1)
                 nbytes = tokens * cfg.hidden * 2
                 count = 2 * (r["layers"] or cfg.layers)
-                c, lo, hi = (count * comm.time_us(nbytes, i) / 1e3 for i in (1, 2, 0))
+                modelled = at_ref.time_us(nbytes) * count / 1e3
+                fix = ms / modelled if ms > 0 and modelled > 0 else 1.0   # measured comm corrects the model
+                c, lo, hi = (fix * count * comm.time_us(nbytes, i) / 1e3 for i in (1, 2, 0))
             elif term in ratios:
                 c, lo, hi = (ms * x * (split if term == "verify_ms" else 1.0) for x in ratios[term])
             else:
@@ -357,10 +407,11 @@ def project_e2e(ref: Reference, target: Target, run_id: str, kern: list[dict[str
             bands["low"] += lo
             bands["high"] += hi
         step = sum(cols.values())
-        accept = r["accept_len_mean"] or 1.0
-        tps = accept * r["concurrency"] / step * 1e3
-        if r["tokens_per_s"]:   # keep the measured tokens/s-to-step relation of the reference
-            tps = r["tokens_per_s"] * r["step_ms_p50"] / step
+        # tokens/s = tokens per step x concurrency / step time; the reference's measured tokens/s
+        # already holds its tokens per step (accepted drafts + 1 bonus), so only the step changes
+        per_step = (r["accept_len_mean"] or 0.0) + 1.0
+        tps = r["tokens_per_s"] * sum(terms.values()) / step if r["tokens_per_s"] else \
+            per_step * r["concurrency"] / step * 1e3
         scale = tps * step
         out.append({**{k: r[k] for k in ("config", "layers", "concurrency", "budget", "synthetic_accept",
                                           "accept_len_mean")},
@@ -406,8 +457,9 @@ def project(refs: Sequence[Reference], target: Target) -> Projection:
             if o:
                 e["tokens_per_s_low"] = min(e["tokens_per_s_low"], o["tokens_per_s_low"], o["tokens_per_s"])
                 e["tokens_per_s_high"] = max(e["tokens_per_s_high"], o["tokens_per_s_high"], o["tokens_per_s"])
-    bw_ref, tfl_ref, bw_tgt, tfl_tgt, spec_bf16 = _scale(ref, target)
-    assumptions = assumptions_text(ref, target, bw_ref, tfl_ref, bw_tgt, tfl_tgt, comm, refs)
+    ref_c = measured_ceilings(ref.tables["runs"], ref.spec)
+    tgt_c = ref_c.carried_to(target.spec)
+    assumptions = assumptions_text(ref, target, ref_c, tgt_c, comm, refs)
     prov_ref = provenance(ref.tables["runs"])
     spec_figs = target.spec.model_dump(exclude={"sources"})
     prov = {"run_id": run_id, "host": target.name, "gpu_name": target.spec.gpu, "gpu_count": target.gpus,
@@ -430,7 +482,7 @@ def project(refs: Sequence[Reference], target: Target) -> Projection:
         runs.append({"run_id": run_id, "host": target.name, "suite": suite, "profile": r["profile"],
                      "status": status, "gpu_name": target.spec.gpu, "gpu_count": target.gpus,
                      "arch": target.spec.arch, "device": prov["device"], "started_at": r["started_at"],
-                     "ended_at": r["ended_at"], "copy_gbps": bw_tgt, "matmul_tflops": tfl_tgt,
+                     "ended_at": r["ended_at"], "copy_gbps": tgt_c.gbps, "matmul_tflops": tgt_c.tflops(),
                      "points": n, "source": "projected",
                      "note": json.dumps({"reference_run_id": ref.run_id, "spec": spec_figs,
                                          "assumptions": assumptions}, sort_keys=True)})
@@ -445,19 +497,20 @@ def project(refs: Sequence[Reference], target: Target) -> Projection:
                       assumptions=assumptions)
 
 
-def assumptions_text(ref: Reference, target: Target, bw_ref: float, tfl_ref: float, bw_tgt: float,
-                     tfl_tgt: float, comm: CommModel, refs: Sequence[Reference]) -> list[str]:
+def assumptions_text(ref: Reference, target: Target, ref_c: Ceilings, tgt_c: Ceilings, comm: CommModel,
+                     refs: Sequence[Reference]) -> list[str]:
     """The projection's assumptions in words, stored with the records and printed in the notes."""
-    spec_bf16 = peak_tflops(ref.spec, "bf16")
+    dt = DTYPE_KEYS.get(ref_c.mm_dtype, ref_c.mm_dtype)
     lines = [
-        f"reference {ref.host} run {ref.run_id} on {ref.spec.gpu}: measured ceilings {bw_ref:.0f} GB/s copy "
-        f"({bw_ref / ref.spec.mem_bw_gbps:.0%} of its {ref.spec.mem_bw_gbps:.0f} GB/s spec) and "
-        f"{tfl_ref:.0f} TFLOP/s bf16 matmul ({tfl_ref / spec_bf16:.0%} of its {spec_bf16:.0f} spec)",
+        f"reference {ref.host} run {ref.run_id} on {ref.spec.gpu}: measured ceilings {ref_c.gbps:.4g} GB/s copy "
+        f"({ref_c.bw_frac:.1%} of its {ref.spec.mem_bw_gbps:.4g} GB/s spec) and {ref_c.tflops():.4g} TFLOP/s "
+        f"{dt} matmul ({ref_c.fl_frac:.1%} of its {peak_tflops(ref.spec, ref_c.mm_dtype):.4g} spec)",
         f"target {target.name} on {target.spec.gpu}: the same fractions of its spec sheet give "
-        f"{bw_tgt:.0f} GB/s and {tfl_tgt:.0f} TFLOP/s bf16",
+        f"{tgt_c.gbps:.4g} GB/s and {tgt_c.tflops():.4g} TFLOP/s {dt}",
         "each kernel point keeps its measured efficiency on the resource that bounds it; the other "
         "resource borrows its kernel family's efficiency (band: the family's min to max)",
-        f"a launch floor of up to {LAUNCH_FLOOR_US:g} us per kernel and CPU-side kernels are kept as measured",
+        f"a launch floor of up to {LAUNCH_FLOOR_US:g} us per kernel, CPU kernels and the Python tree "
+        "references are kept as measured",
         "e2e: draft scales like the memory-bound kernel points, verify like MoE W4A16 + MLA at the step's "
         "token count, tree build and accept like their kernels; other (Python, host) is kept",
     ]
@@ -493,7 +546,7 @@ def project_host(store: Store, inv: Inventory, target: str, reference: str = "h2
     return proj.run_id
 
 
-@task(name="project", retries=0)
+@task(name="project", cache_policy=NONE)
 def project_task(store_root: str, hosts_dir: str, target: str, reference: str = "h200") -> str:
     """Prefect wrapper of project_host for the flows (store and inventory rebuilt from paths)."""
     from pathlib import Path
@@ -545,7 +598,8 @@ def backtest(store: Store, inv: Inventory) -> list[BacktestRow]:
     rows: list[BacktestRow] = []
     for ref in data:
         for tgt in data:
-            proj = project([ref], Target(tgt.host, tgt.spec, tgt.gpus, tgt.interconnect))
+            # the target as it was measured: e2e on as many GPUs as its measurement used
+            proj = project([ref], Target(tgt.host, tgt.spec, tgt.e2e_gpus, tgt.interconnect))
             rows += compare(ref.host, tgt.host, proj.tables, tgt.tables)
     return rows
 

@@ -34,6 +34,7 @@ FAULTS: tuple[str, ...] = ("rotate-hostkey", "revoke-key", "stop", "blackhole", 
 SSHD = "/usr/sbin/sshd"
 STATE_FILE = "sandbox.json"
 _START_TIMEOUT_S = 10.0
+MAX_HOSTS = 200  # one loopback address each: 127.0.0.10 .. 127.0.0.209
 
 # Accepts TCP connections and never says a word: what a wedged machine looks like to a client.
 _BLACKHOLE = (
@@ -55,6 +56,11 @@ def default_state_dir() -> Path:
 
 def _state_dir(state_dir: Path | None) -> Path:
     return Path(state_dir) if state_dir is not None else default_state_dir()
+
+
+def _server_dir(state: Path, name: str) -> Path:
+    """Keys, sshd config, log and work dir of one sandbox host."""
+    return state / "servers" / name
 
 
 def _load(state: Path) -> dict[str, Any]:
@@ -227,7 +233,7 @@ def _start_blackhole(rec: dict[str, Any]) -> None:
 
 
 def _host_yaml(state: Path, name: str, rec: dict[str, Any], host_pub: str) -> None:
-    hdir = state / name
+    hdir = _server_dir(state, name)
     host = Host(
         name=name, address=rec["address"], port=rec["port"], user=rec["user"],
         key_file=str(hdir / "client_key"), host_keys=[key_line(parse_public_key(host_pub))],
@@ -249,8 +255,8 @@ def up(count: int = 2, *, names: Sequence[str] | None = None, state_dir: Path | 
     for n in names:
         if not SAFE_NAME.match(n):
             raise SandboxError(f"sandbox host name {n!r} is not a safe identifier")
-    if len(set(names)) != len(names) or not names:
-        raise SandboxError("sandbox host names must be distinct and at least one")
+    if len(set(names)) != len(names) or not 1 <= len(names) <= MAX_HOSTS:
+        raise SandboxError(f"sandbox host names must be distinct, 1 to {MAX_HOSTS} of them")
     if not os.path.exists(SSHD):
         raise SandboxError(f"{SSHD} not found: install openssh-server (`make sshd`)")
     with _lock(state):
@@ -258,14 +264,14 @@ def up(count: int = 2, *, names: Sequence[str] | None = None, state_dir: Path | 
         if any(_alive(r.get("pid")) for r in old["hosts"].values()):
             raise SandboxError(f"sandbox in {state} is already up; run `kdbench sandbox down` first")
         for n in old["hosts"]:
-            shutil.rmtree(state / n, ignore_errors=True)
+            shutil.rmtree(_server_dir(state, n), ignore_errors=True)
         shutil.rmtree(state / "hosts", ignore_errors=True)
         (state / "hosts").mkdir(parents=True)
         shutil.copytree(repo_root() / "hosts" / "specs", state / "hosts" / "specs")
         data: dict[str, Any] = {"hosts": {}}
         try:
             for i, name in enumerate(names):
-                hdir = state / name
+                hdir = _server_dir(state, name)
                 (hdir / "work").mkdir(parents=True)
                 host_pub = _write_key(hdir / "host_key")
                 client_pub = _write_key(hdir / "client_key")
@@ -279,7 +285,7 @@ def up(count: int = 2, *, names: Sequence[str] | None = None, state_dir: Path | 
                 _host_yaml(state, name, rec, host_pub)
         except BaseException:
             for n, rec in data["hosts"].items():
-                _stop_process(state / n, rec)
+                _stop_process(_server_dir(state, n), rec)
             raise
         finally:
             _save(state, data)
@@ -298,7 +304,7 @@ def down(state_dir: Path | None = None) -> None:
     with _lock(state):
         data = _load(state)
         for name, rec in data["hosts"].items():
-            _stop_process(state / name, rec)
+            _stop_process(_server_dir(state, name), rec)
         _save(state, data)
 
 
@@ -313,7 +319,7 @@ def status(state_dir: Path | None = None) -> list[dict[str, Any]]:
             "name": name, "address": rec["address"], "port": rec["port"],
             "process": rec.get("process") if running else None, "pid": rec.get("pid") if running else None,
             "faults": list(rec.get("faults", [])),
-            "host_key": fingerprint(parse_public_key(_pub_of(state / name / rec["host_key"]))),
+            "host_key": fingerprint(parse_public_key(_pub_of(_server_dir(state, name) / rec["host_key"]))),
         })
     return rows
 
@@ -334,7 +340,7 @@ def fault(name: str, kind: Fault, state_dir: Path | None = None) -> None:
         if rec is None:
             known = ", ".join(data["hosts"]) or "none (run `kdbench sandbox up`)"
             raise SandboxError(f"no sandbox host named {name!r} in {state}; known: {known}")
-        hdir = state / name
+        hdir = _server_dir(state, name)
         faults = set(rec.get("faults", []))
         if kind == "rotate-hostkey":
             _write_key(hdir / "host_key.rotated")

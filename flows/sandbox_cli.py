@@ -9,14 +9,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flows.sandbox import FAULTS, SandboxError, default_state_dir, down, fault, status, up
+from flows.sandbox import FAULTS, MAX_HOSTS, SandboxError, default_state_dir, down, fault, status, up
 
 sandbox_app = typer.Typer(help="Local sandbox hosts: real sshd servers on loopback, with faults on demand.",
                           no_args_is_help=True)
 
 StateDir = typer.Option(None, "--state", envvar="KDBENCH_SANDBOX",
                         help="Sandbox state folder (default: the repo's .sandbox/).", show_default=False)
-out = Console()
+out = Console(soft_wrap=True)
 err = Console(stderr=True)
 
 
@@ -27,7 +27,7 @@ def _fail(e: Exception) -> typer.Exit:
 
 @sandbox_app.command("up")
 def up_cmd(
-    count: int = typer.Option(2, "--count", "-n", min=1, max=200, help="How many hosts (named sbx1..sbxN)."),
+    count: int = typer.Option(2, "--count", "-n", min=1, max=MAX_HOSTS, help="How many hosts (named sbx1..sbxN)."),
     name: Optional[list[str]] = typer.Option(None, "--name", help="Host names instead of sbx1..N (repeatable)."),
     state: Optional[Path] = StateDir,
 ) -> None:

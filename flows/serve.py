@@ -48,6 +48,21 @@ def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def wait_for_deployment(api_url: str, name: str, timeout_s: float = 120.0,
+                        alive: "subprocess.Popen | None" = None) -> bool:
+    """True once `flow/deployment` is registered; False on timeout or when `alive` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if alive is not None and alive.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"{api_url.rstrip('/')}/deployments/name/{name}", timeout=5):
+                return True
+        except OSError:
+            time.sleep(0.5)
+    return False
+
+
 def server_env(home: Path, ui: bool = True) -> dict[str, str]:
     """The environment of a Prefect server whose state (SQLite DB included) lives under `home`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shlex
 import socket
 import time
@@ -28,10 +29,14 @@ Outcome = Literal["ok", "unauthorized", "host_key_changed", "host_key_unknown", 
 
 # timeout(1) exits 124 when it stopped the command, 137 (128+KILL) when -k had to kill it.
 _TIMEOUT_RCS = (124, 137)
-# paramiko's transport thread logs handshake failures that we classify and report ourselves.
-logging.getLogger("paramiko").addHandler(logging.NullHandler())
+# paramiko's transport thread logs handshake failures (with tracebacks) that we classify and
+# report ourselves; its records go to this logger, silent unless someone attaches a handler.
+_PARAMIKO_LOG = "flows.ssh.paramiko"
+logging.getLogger(_PARAMIKO_LOG).addHandler(logging.NullHandler())
+logging.getLogger(_PARAMIKO_LOG).propagate = False
 KILL_AFTER_S = 10
 _LOCAL_GRACE_S = 5.0
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class Timeouts(BaseModel):
@@ -84,10 +89,16 @@ def refuse_placeholder(host: Host, hosts_dir: Path) -> None:
 def _connect(host: Host, hosts_dir: Path, timeouts: Timeouts) -> paramiko.SSHClient:
     """An authenticated client trusting only the pinned keys; RemoteError(outcome=...) otherwise."""
     refuse_placeholder(host, hosts_dir)
+    where = Path(hosts_dir) / f"{host.name}.yaml"
     key_path = host.key_path(hosts_dir)
     if not key_path.is_file():
-        raise InventoryError(f"{Path(hosts_dir) / (host.name + '.yaml')}: field 'key_file': file not found")
+        raise InventoryError(f"{where}: field 'key_file': file not found")
+    try:
+        pkey = paramiko.PKey.from_path(key_path)
+    except (paramiko.SSHException, ValueError, OSError) as e:
+        raise InventoryError(f"{where}: field 'key_file': not a usable private key ({type(e).__name__})") from None
     client = paramiko.SSHClient()
+    client.set_log_channel(_PARAMIKO_LOG)
     entry = host.address if host.port == 22 else f"[{host.address}]:{host.port}"
     store = client.get_host_keys()
     for line in host.host_keys:
@@ -96,7 +107,7 @@ def _connect(host: Host, hosts_dir: Path, timeouts: Timeouts) -> paramiko.SSHCli
     client.set_missing_host_key_policy(paramiko.RejectPolicy())
     try:
         client.connect(
-            host.address, port=host.port, username=host.user, key_filename=str(key_path),
+            host.address, port=host.port, username=host.user, pkey=pkey,
             allow_agent=False, look_for_keys=False, timeout=timeouts.connect,
             banner_timeout=timeouts.banner, auth_timeout=timeouts.auth, channel_timeout=timeouts.connect,
         )
@@ -108,8 +119,10 @@ def _connect(host: Host, hosts_dir: Path, timeouts: Timeouts) -> paramiko.SSHCli
             f"presented host key {got} does not match the pinned key(s) {', '.join(host.fingerprints())}",
             "host_key_changed", got,
         ) from None
-    except paramiko.AuthenticationException:
+    except paramiko.AuthenticationException as e:
         client.close()
+        if "timeout" in str(e).lower():
+            raise RemoteError(f"no answer to authentication within {timeouts.auth:g} s", "timeout") from None
         raise RemoteError("the host refused the client key", "unauthorized") from None
     except (socket.timeout, TimeoutError):
         client.close()
@@ -149,16 +162,19 @@ def remote_command(argv: Sequence[str], *, timeout_s: float, cwd: str | None = N
     """The shell line run on the host: every value quoted, bounded by timeout(1) -k."""
     if not argv:
         raise ValueError("empty command")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive (got {timeout_s})")
     parts: list[str] = []
     if cwd is not None:
         parts += ["cd", shlex.quote(cwd), "&&"]
     if env:
         parts.append("env")
         for k, v in env.items():
-            if not k.isidentifier():
+            if not _ENV_NAME.match(k):
                 raise ValueError(f"bad environment variable name {k!r}")
             parts.append(f"{k}={shlex.quote(v)}")
-    parts += ["timeout", "-k", str(KILL_AFTER_S), f"{timeout_s:g}"]
+    # Plain decimal seconds: timeout(1) does not read exponents such as 1e+06.
+    parts += ["timeout", "-k", str(KILL_AFTER_S), f"{timeout_s:.3f}".rstrip("0").rstrip(".")]
     parts += [shlex.quote(a) for a in argv]
     return " ".join(parts)
 
@@ -442,6 +458,7 @@ def fetch_host_key(host: Host, hosts_dir: Path, timeouts: Timeouts = Timeouts())
     except OSError:
         raise RemoteError("connection refused or no route to host", "unreachable") from None
     t = paramiko.Transport(sock)
+    t.set_log_channel(_PARAMIKO_LOG)
     t.banner_timeout = timeouts.banner
     try:
         t.start_client(timeout=timeouts.banner)

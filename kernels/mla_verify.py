@@ -18,7 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 LOG2E = 1.4426950408889634  # scores go through exp2
-CONFIG = {"BN": 32, "num_warps": 8, "num_stages": 2}
+CONFIG = {"BN": 64, "num_warps": 8, "num_stages": 2}
 TARGET_PROGRAMS = 264  # ~2 waves on a 132-SM H200
 
 
@@ -76,8 +76,8 @@ def _mla_split(qn_ptr, qr_ptr, ckv_ptr, kpe_ptr, ctx_ptr, mask_ptr, o_ptr, lse_p
 
 
 @triton.jit
-def _mla_combine(part_ptr, lse_ptr, o_ptr, Hh, n_splits, DL: tl.constexpr, NSP: tl.constexpr):
-    """o[bt, h] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), one program per (bt, h)."""
+def _mla_combine(part_ptr, lse_ptr, o_ptr, Hh, n_splits, DL: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr):
+    """o[bt, h, d-chunk] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); one program per chunk."""
     pid = tl.program_id(0)
     bt = pid // Hh
     h = pid % Hh
@@ -85,16 +85,11 @@ def _mla_combine(part_ptr, lse_ptr, o_ptr, Hh, n_splits, DL: tl.constexpr, NSP: 
     smask = rs < n_splits
     rows = (bt.to(tl.int64) * n_splits + rs) * Hh + h
     lse = tl.load(lse_ptr + rows, mask=smask, other=float("-inf"))
-    mx = tl.max(lse, 0)
-    w = tl.exp2(lse - mx)
+    w = tl.exp2(lse - tl.max(lse, 0))
     w = w / tl.sum(w, 0)
-    rdl = tl.arange(0, DL)
-    acc = tl.zeros((DL,), tl.float32)
-    for i in range(0, n_splits):
-        wi = tl.sum(tl.where(rs == i, w, 0.0), 0)
-        row = (bt.to(tl.int64) * n_splits + i) * Hh + h
-        acc += wi * tl.load(part_ptr + row * DL + rdl)
-    tl.store(o_ptr + pid.to(tl.int64) * DL + rdl, acc.to(o_ptr.dtype.element_ty))
+    rd = tl.program_id(1) * BD + tl.arange(0, BD)
+    o = tl.load(part_ptr + rows[:, None] * DL + rd[None, :], mask=smask[:, None], other=0.0)
+    tl.store(o_ptr + pid.to(tl.int64) * DL + rd, tl.sum(o * w[:, None], 0).to(o_ptr.dtype.element_ty))
 
 
 def plan_splits(programs: int, s: int, bn: int, target: int = TARGET_PROGRAMS) -> tuple[int, int]:
@@ -136,8 +131,9 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
                                    DL=dl, DR=dr, BH=bh, BN=bn, ONE_SPLIT=one,
                                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if not one:
-        _mla_combine[(bt * t * hh,)](part, lse, out, hh, n_splits, DL=dl,
-                                     NSP=triton.next_power_of_2(n_splits), num_warps=4)
+        bd = min(dl, 128)
+        _mla_combine[(bt * t * hh, dl // bd)](part, lse, out, hh, n_splits, DL=dl, BD=bd,
+                                              NSP=triton.next_power_of_2(n_splits), num_warps=4)
     return out
 
 

@@ -18,44 +18,131 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# (BM, BN, BK, num_warps, num_stages) per kernel, chosen by tokens per expert; see NOTES.md.
-CONFIGS: dict[str, dict[str, tuple[int, int, int, int, int]]] = {
-    "decode": {"gate_up": (16, 32, 256, 4, 4), "down": (16, 64, 256, 4, 4)},
-    "mid": {"gate_up": (32, 64, 128, 4, 4), "down": (32, 64, 128, 4, 4)},
-    "large": {"gate_up": (64, 64, 128, 8, 3), "down": (64, 64, 128, 8, 3)},
+# (BM, BN, BK, num_warps, num_stages, EXPAND, SWAP) per kernel, by tokens per expert; see NOTES.md.
+Config = tuple[int, int, int, int, int, int, int]
+CONFIGS: dict[str, dict[str, Config]] = {
+    "decode": {"gate_up": (16, 64, 256, 4, 4, 4, 1), "down": (16, 64, 256, 4, 4, 4, 1)},
+    "mid": {"gate_up": (32, 64, 256, 4, 4, 4, 1), "down": (32, 64, 256, 4, 4, 4, 1)},
+    "large": {"gate_up": (64, 128, 128, 8, 3, 4, 1), "down": (64, 128, 128, 8, 3, 4, 1)},
 }
 
 
 def regime(m: int, topk: int, experts: int) -> str:
     """Config class from the mean tokens per touched expert (known on the host: no sync)."""
     per_expert = m * topk / min(experts, m * topk)
-    return "decode" if per_expert <= 2 else ("mid" if per_expert <= 24 else "large")
+    return "decode" if per_expert <= 4 else ("mid" if per_expert <= 16 else "large")
+
+
+# word (two's-complement nibbles) + bf16 scale -> 8 scaled bf16. t = word ^ 0x88888888 turns each
+# nibble into q + 8; prmt puts nibble 2j in the low half and 2j+1 in the high half; OR-ing under
+# 0x4300 (bf16 128.0) gives 128 + q + 8 exactly; FMA -136 then FMA by the scale (one rounding).
+_ASM_W4_BF16 = tl.constexpr("""{
+.reg .b32 t, u, d, p, s2, one, m136, nz;
+mov.b32 one, 0x3F803F80;
+mov.b32 m136, 0xC308C308;
+mov.b32 nz, 0x80008000;
+xor.b32 t, $8, 0x88888888;
+shr.u32 u, t, 4;
+mov.b32 s2, {$9, $9};
+prmt.b32 d, t, u, 0x0400;
+lop3.b32 p, d, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 p, p, one, m136;
+fma.rn.bf16x2 p, p, s2, nz;
+mov.b32 {$0, $1}, p;
+prmt.b32 d, t, u, 0x0501;
+lop3.b32 p, d, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 p, p, one, m136;
+fma.rn.bf16x2 p, p, s2, nz;
+mov.b32 {$2, $3}, p;
+prmt.b32 d, t, u, 0x0602;
+lop3.b32 p, d, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 p, p, one, m136;
+fma.rn.bf16x2 p, p, s2, nz;
+mov.b32 {$4, $5}, p;
+prmt.b32 d, t, u, 0x0703;
+lop3.b32 p, d, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 p, p, one, m136;
+fma.rn.bf16x2 p, p, s2, nz;
+mov.b32 {$6, $7}, p;
+}""")
 
 
 @triton.jit
-def _dequant(words, scales, BN: tl.constexpr, BK: tl.constexpr):
-    """[BN, BK//8] int32 words + [BN, BK//32] fp32 scales -> [BN, BK] fp32 weights.
+def _nibble(words, j: tl.constexpr):
+    """Element j of each word as fp32 without an int-to-float conversion: (q ^ 8) sits under the
+    exponent of 2^23, so bitcast(nib ^ 0x4B000008) = 2^23 + q + 8 exactly."""
+    return (((words >> (4 * j)) & 0xF) ^ 0x4B000008).to(tl.float32, bitcast=True) - 8388616.0
 
-    Nibble -> float without an int-to-float conversion: (q ^ 8) sits under the exponent of 2^23,
-    so bitcast(nib ^ 0x4B000008) = 2^23 + q + 8 exactly.
+
+@triton.jit
+def _planes(words, scales, dtype: tl.constexpr, ASM: tl.constexpr):
+    """[BN, W] words + per-word scales -> 8 planes [BN, W]: plane j holds elements 8w + j, scaled."""
+    if ASM:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _ASM_W4_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, scales.to(tl.bfloat16)],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                   tl.bfloat16), is_pure=True, pack=1)
+    else:
+        sf = scales.to(tl.float32)
+        v0 = (_nibble(words, 0) * sf).to(dtype)
+        v1 = (_nibble(words, 1) * sf).to(dtype)
+        v2 = (_nibble(words, 2) * sf).to(dtype)
+        v3 = (_nibble(words, 3) * sf).to(dtype)
+        v4 = (_nibble(words, 4) * sf).to(dtype)
+        v5 = (_nibble(words, 5) * sf).to(dtype)
+        v6 = (_nibble(words, 6) * sf).to(dtype)
+        v7 = (_nibble(words, 7) * sf).to(dtype)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _dequant(words, scales, BN: tl.constexpr, BK: tl.constexpr, dtype: tl.constexpr, EXPAND: tl.constexpr):
+    """[BN, BK//8] int32 words -> [BN, BK] weights in `dtype` (EXPAND 0..2; 3/4 never build this).
+
+    EXPAND 0: broadcast words to [BN, BK//8, 8] and reshape (scales [BN, BK//32]).
+    EXPAND 1: eight planes (fp32 math), interleaved in registers (scales per word, [BN, BK//8]).
+    EXPAND 2: as 1 with the PTX planes.
     """
-    shifts = tl.arange(0, 8) * 4
-    nib = (words[:, :, None] >> shifts[None, None, :]) & 0xF
-    f = (nib ^ 0x4B000008).to(tl.float32, bitcast=True) - 8388616.0
-    f = tl.reshape(f, (BN, BK // 32, 32)) * scales[:, :, None]
-    return tl.reshape(f, (BN, BK))
+    if EXPAND == 0:
+        shifts = tl.arange(0, 8) * 4
+        nib = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+        f = (nib ^ 0x4B000008).to(tl.float32, bitcast=True) - 8388616.0
+        f = tl.reshape(f, (BN, BK // 32, 32)) * scales.to(tl.float32)[:, :, None]
+        return tl.reshape(f, (BN, BK)).to(dtype)
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _planes(words, scales, dtype, EXPAND == 2)
+        even = tl.interleave(tl.interleave(v0, v4), tl.interleave(v2, v6))
+        odd = tl.interleave(tl.interleave(v1, v5), tl.interleave(v3, v7))
+        return tl.interleave(even, odd)
+
+
+@triton.jit
+def _plane_dots(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, acc, dtype: tl.constexpr, ASM: tl.constexpr):
+    """acc += W . x with K permuted plane-major: sum_j plane_j . x[8w + j]; no interleave needed."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = _planes(words, scales, dtype, ASM)
+    acc = tl.dot(v0, x0, acc)
+    acc = tl.dot(v1, x1, acc)
+    acc = tl.dot(v2, x2, acc)
+    acc = tl.dot(v3, x3, acc)
+    acc = tl.dot(v4, x4, acc)
+    acc = tl.dot(v5, x5, acc)
+    acc = tl.dot(v6, x6, acc)
+    acc = tl.dot(v7, x7, acc)
+    return acc
 
 
 @triton.jit
 def _moe_gemm(a_ptr, wq_ptr, ws_ptr, out_ptr, tw_ptr, slots_ptr, seg_ptr, cnt_ptr, bexp_ptr, bms_ptr,
               N, K, E, a_rows_per_slot, w_rows,
-              GATED: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+              GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              EXPAND: tl.constexpr, SWAP: tl.constexpr):
     """One (token block of one expert, BN columns) tile over all of K.
 
     GATED: weight rows [n] and [N + n] (gate, up) of w13, output silu(gate) * up at row `slot`;
     else: one weight row set, output scaled by the routing weight of `slot`.
     a rows are indexed by slot // a_rows_per_slot (x is per token, h is per slot).
+    SWAP computes the transposed tile (weights as the MMA's M side, tokens as its N side), which
+    suits few tokens per expert. EXPAND 3/4 (SWAP only): the plane dots, fp32 / PTX dequant.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -71,27 +158,69 @@ def _moe_gemm(a_ptr, wq_ptr, ws_ptr, out_ptr, tw_ptr, slots_ptr, seg_ptr, cnt_pt
         rn = pid_n * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         rkw = tl.arange(0, BK // 8)
-        rkg = tl.arange(0, BK // 32)
         e64 = e.to(tl.int64)
         wq = wq_ptr + e64 * w_rows * (K // 8) + rn[:, None] * (K // 8) + rkw[None, :]
-        ws = ws_ptr + e64 * w_rows * (K // 32) + rn[:, None] * (K // 32) + rkg[None, :]
-        ap = a_ptr + arow[:, None] * K + rk[None, :]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            a = tl.load(ap + k0, mask=rvalid[:, None], other=0.0)
-            w = _dequant(tl.load(wq + k0 // 8), tl.load(ws + k0 // 32).to(tl.float32), BN, BK)
-            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
-            if GATED:
-                wu = _dequant(tl.load(wq + N * (K // 8) + k0 // 8),
-                              tl.load(ws + N * (K // 32) + k0 // 32).to(tl.float32), BN, BK)
-                acc_u = tl.dot(a, tl.trans(wu.to(a.dtype)), acc_u)
-        if GATED:
-            res = acc / (1.0 + tl.exp(-acc)) * acc_u
+        if EXPAND == 0:  # one scale per group; the others take one per word
+            ws = ws_ptr + e64 * w_rows * (K // 32) + rn[:, None] * (K // 32) + tl.arange(0, BK // 32)[None, :]
         else:
-            res = acc * tl.load(tw_ptr + slot, mask=rvalid, other=0.0)[:, None]
-        op = out_ptr + slot.to(tl.int64)[:, None] * N + rn[None, :]
-        tl.store(op, res.to(out_ptr.dtype.element_ty), mask=rvalid[:, None])
+            ws = ws_ptr + e64 * w_rows * (K // 32) + rn[:, None] * (K // 32) + rkw[None, :] // 4
+        if SWAP:
+            if EXPAND >= 3:
+                ap = a_ptr + arow[None, :] * K + 8 * rkw[:, None]
+            else:
+                ap = a_ptr + arow[None, :] * K + rk[:, None]
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            ap = a_ptr + arow[:, None] * K + rk[None, :]
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        dt = a_ptr.dtype.element_ty
+        for k0 in range(0, K, BK):
+            if EXPAND >= 3:
+                xm = rvalid[None, :]
+                x0 = tl.load(ap + k0 + 0, mask=xm, other=0.0)
+                x1 = tl.load(ap + k0 + 1, mask=xm, other=0.0)
+                x2 = tl.load(ap + k0 + 2, mask=xm, other=0.0)
+                x3 = tl.load(ap + k0 + 3, mask=xm, other=0.0)
+                x4 = tl.load(ap + k0 + 4, mask=xm, other=0.0)
+                x5 = tl.load(ap + k0 + 5, mask=xm, other=0.0)
+                x6 = tl.load(ap + k0 + 6, mask=xm, other=0.0)
+                x7 = tl.load(ap + k0 + 7, mask=xm, other=0.0)
+                acc = _plane_dots(tl.load(wq + k0 // 8), tl.load(ws + k0 // 32),
+                                  x0, x1, x2, x3, x4, x5, x6, x7, acc, dt, EXPAND == 4)
+                if GATED:
+                    acc_u = _plane_dots(tl.load(wq + N * (K // 8) + k0 // 8), tl.load(ws + N * (K // 32) + k0 // 32),
+                                        x0, x1, x2, x3, x4, x5, x6, x7, acc_u, dt, EXPAND == 4)
+            else:
+                w = _dequant(tl.load(wq + k0 // 8), tl.load(ws + k0 // 32), BN, BK, dt, EXPAND)
+                if GATED:
+                    wu = _dequant(tl.load(wq + N * (K // 8) + k0 // 8), tl.load(ws + N * (K // 32) + k0 // 32),
+                                  BN, BK, dt, EXPAND)
+                if SWAP:
+                    a = tl.load(ap + k0, mask=rvalid[None, :], other=0.0)
+                    acc = tl.dot(w, a, acc)
+                    if GATED:
+                        acc_u = tl.dot(wu, a, acc_u)
+                else:
+                    a = tl.load(ap + k0, mask=rvalid[:, None], other=0.0)
+                    acc = tl.dot(a, tl.trans(w), acc)
+                    if GATED:
+                        acc_u = tl.dot(a, tl.trans(wu), acc_u)
+        if SWAP:
+            if GATED:
+                res = acc / (1.0 + tl.exp(-acc)) * acc_u
+            else:
+                res = acc * tl.load(tw_ptr + slot, mask=rvalid, other=0.0)[None, :]
+            op = out_ptr + slot.to(tl.int64)[None, :] * N + rn[:, None]
+            tl.store(op, res.to(out_ptr.dtype.element_ty), mask=rvalid[None, :])
+        else:
+            if GATED:
+                res = acc / (1.0 + tl.exp(-acc)) * acc_u
+            else:
+                res = acc * tl.load(tw_ptr + slot, mask=rvalid, other=0.0)[:, None]
+            op = out_ptr + slot.to(tl.int64)[:, None] * N + rn[None, :]
+            tl.store(op, res.to(out_ptr.dtype.element_ty), mask=rvalid[:, None])
 
 
 def align(topk_ids: Tensor, experts: int, bm: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
@@ -116,15 +245,17 @@ def align(topk_ids: Tensor, experts: int, bm: int) -> tuple[Tensor, Tensor, Tens
 
 
 def _launch(a: Tensor, wq: Tensor, ws: Tensor, out: Tensor, tw: Tensor, al: tuple, n: int, k: int,
-            a_rows_per_slot: int, gated: bool, cfg: tuple[int, int, int, int, int]) -> None:
-    bm, bn, bk, warps, stages = cfg
+            a_rows_per_slot: int, gated: bool, cfg: Config) -> None:
+    bm, bn, bk, warps, stages, expand, swap = cfg
+    if expand in (2, 4) and (a.dtype != torch.bfloat16 or not a.is_cuda):
+        expand -= 1  # the PTX dequant is bf16-only and cannot run under the interpreter
     bn, bk = min(bn, n), min(bk, k)
     if n % bn or k % bk or bk % 32:
         raise ValueError(f"moe_w4a16: N={n}, K={k} do not tile by BN={bn}, BK={bk}")
     slots, seg, cnt, bexp, bms, ub = al
     _moe_gemm[(ub, n // bn)](a, wq, ws, out, tw, slots, seg, cnt, bexp, bms, n, k, wq.shape[0],
-                             a_rows_per_slot, wq.shape[1], GATED=gated,
-                             BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+                             a_rows_per_slot, wq.shape[1], GATED=gated, BM=bm, BN=bn, BK=bk,
+                             EXPAND=expand, SWAP=swap, num_warps=warps, num_stages=stages)
 
 
 def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor,

@@ -89,7 +89,7 @@ def _tree_mask(par_ptr, mask_ptr, n1, L, BR: tl.constexpr, NP: tl.constexpr):
     cur = rows
     m = cols[None, :] == cur[:, None]
     for _ in range(0, L):
-        cur = tl.load(par_b + cur, mask=rvalid & (cur > 0), other=0)
+        cur = tl.load(par_b + cur, mask=rvalid & (cur > 0), other=0).to(tl.int32)
         m = m | (cols[None, :] == cur[:, None])
     out = mask_ptr + (b.to(tl.int64) * n1 + rows)[:, None] * n1 + cols[None, :]
     tl.store(out, m.to(tl.int8), mask=rvalid[:, None] & (cols[None, :] < n1))

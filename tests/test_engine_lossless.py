@@ -12,7 +12,7 @@ from engine.decode import Decoder, Oracle
 from engine.drafter import BlockDrafter
 from engine.model import LatentCache, TargetModel
 
-MAX_NEW = 40
+MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,8 @@ def test_greedy_matches_uncached_recompute(setup):
         assert ref.tokens[b][:12] == _plain_greedy(dec.model, prompts[b], 12)
 
 
-@pytest.mark.parametrize("budget", [1, 4, 16, 64])
-@pytest.mark.parametrize("level", [0.0, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("budget,level", [(1, 0.9), (4, 0.5), (16, 0.0), (16, 0.9), (64, 0.5), (64, 1.0),
+                                          (256, 0.8)])
 def test_ddtree_is_lossless(setup, budget, level):
     dec, prompts, ref = setup
     oracle = Oracle(ref.tokens, dec.device) if level > 0 else None
@@ -65,7 +65,7 @@ def test_acceptance_follows_steering_level(setup):
     mean = {lv: statistics.mean(a for s in dec.speculative(prompts, MAX_NEW, 16, oracle, lv).accept_len for a in s)
             for lv in (0.0, 0.5, 1.0)}
     assert mean[0.0] < 0.2 < mean[0.5] < mean[1.0]
-    assert mean[1.0] >= 0.9 * (dec.model.cfg.draft_len - 1)  # a perfect drafter fills most of the block
+    assert mean[1.0] >= 0.8 * (dec.model.cfg.draft_len - 1)  # a perfect drafter fills most of the block
 
 
 def test_steering_rank_is_geometric():

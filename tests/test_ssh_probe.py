@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -85,11 +87,30 @@ def test_unreachable_when_stopped(sandbox) -> None:
     assert r.elapsed_s < 2
 
 
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def test_timeout_on_blackhole(sandbox) -> None:
-    sandbox.fault("sbx1", "blackhole")
-    r = probe(sandbox.host(), sandbox.hosts_dir, FAST)
-    assert r.outcome == "timeout", r.detail
-    assert r.elapsed_s < FAST.banner + 1
+    # An app with logging configured (prefect) must not print paramiko's handshake tracebacks.
+    root, seen = logging.getLogger(), _Collect()
+    root.addHandler(seen)
+    try:
+        sandbox.fault("sbx1", "blackhole")
+        # banner < connect: paramiko's own banner timeout fires (and logs) before start_client gives up
+        t = Timeouts(connect=5, banner=1.5, auth=1.5)
+        r = probe(sandbox.host(), sandbox.hosts_dir, t)
+        r2 = probe(sandbox.host(), sandbox.hosts_dir, FAST)
+    finally:
+        root.removeHandler(seen)
+    assert (r.outcome, r2.outcome) == ("timeout", "timeout"), (r.detail, r2.detail)
+    assert r.elapsed_s < t.banner + 1 and r2.elapsed_s < FAST.banner + 1
+    assert not [rec for rec in seen.records if "Traceback" in rec.getMessage()]
 
 
 def test_heal_restores_ok(sandbox) -> None:
@@ -115,3 +136,21 @@ def test_unreachable_name_and_route_errors(sandbox, monkeypatch: pytest.MonkeyPa
     r = probe(sandbox.host(), sandbox.hosts_dir, FAST)
     assert r.outcome == "unreachable", r.detail
     assert ("not resolved" in r.detail) == (failure == "gaierror")
+
+
+def test_unusable_key_file_is_an_inventory_error(sandbox) -> None:
+    Path(sandbox.host().key_file).write_text("not a key\n")
+    res = CliRunner().invoke(app, ["hosts", "check", "--hosts", str(sandbox.hosts_dir)])
+    assert res.exit_code == 2
+    assert "sbx1.yaml" in res.output and "field 'key_file': not a usable private key" in " ".join(res.output.split())
+
+
+def test_timeout_when_facts_command_hangs(sandbox, tmp_path: Path) -> None:
+    hang = tmp_path / "python-that-hangs"
+    hang.write_text("#!/bin/sh\nsleep 30\n")
+    hang.chmod(0o755)
+    update_host(sandbox.hosts_dir, "sbx1", python=str(hang))
+    r = probe(sandbox.host(), sandbox.hosts_dir, Timeouts(connect=2, banner=2, auth=2, command=1))
+    assert r.outcome == "timeout" and "fact-finding" in r.detail, r.detail
+    assert r.elapsed_s < 1 + 1.5
+

@@ -1,0 +1,168 @@
+"""engine.bench and engine.build as the flows run them: real subprocesses, real Arrow files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import schema
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(out: Path, suite: str, *extra: str, profile: str = "smoke") -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "engine.bench", "--suite", suite, "--profile", profile, "--host", "sb-1",
+           "--out", str(out), "--run-id", "run-1", "--payload-hash", "abc123", *extra]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+
+
+def _events(stdout: str) -> list[dict]:
+    return [json.loads(line.removeprefix("KDBENCH ")) for line in stdout.splitlines() if line.startswith("KDBENCH ")]
+
+
+def _check_manifest(out: Path) -> dict:
+    man = json.loads((out / schema.MANIFEST).read_text())
+    assert man["schema_version"] == schema.SCHEMA_VERSION
+    assert set(man["files"]) == {p.name for p in out.glob("*.arrow")}
+    for name, digest in man["files"].items():
+        assert schema.sha256_file(out / name) == digest
+    return man
+
+
+@pytest.fixture(scope="module")
+def smoke_dir(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
+    """All three suites into one directory, as the bench flow does."""
+    out = tmp_path_factory.mktemp("bench")
+    events = {}
+    for suite in ("kernels", "e2e", "comm"):
+        r = _bench(out, suite)
+        assert r.returncode == 0, r.stderr
+        events[suite] = _events(r.stdout)
+    return out, events
+
+
+def test_smoke_writes_valid_tables_and_manifest(smoke_dir):
+    out, _ = smoke_dir
+    _check_manifest(out)
+    tables = {n: schema.read_table(out / f"{n}.arrow") for n in schema.TABLES}
+    for name, t in tables.items():
+        prov = schema.provenance(t)
+        assert set(schema.PROVENANCE_KEYS) <= set(prov), name
+        assert (prov["run_id"], prov["host"], prov["payload_hash"], prov["device"]) == ("run-1", "sb-1", "abc123", "cpu")
+        assert prov["started_at"] <= prov["ended_at"]
+        assert set(t.column("run_id").to_pylist()) == {"run-1"}
+    runs = {r["suite"]: r for r in tables["runs"].to_pylist()}
+    assert {s: r["status"] for s, r in runs.items()} == {"kernels": "complete", "e2e": "complete", "comm": "skipped"}
+    for r in runs.values():
+        assert r["copy_gbps"] > 0 and r["matmul_tflops"] > 0 and r["device"] == "cpu"
+    assert runs["kernels"]["points"] == tables["kernels"].num_rows
+
+
+def test_kernel_points_cover_every_op_with_costs(smoke_dir):
+    out, _ = smoke_dir
+    rows = schema.read_table(out / "kernels.arrow").to_pylist()
+    assert {r["kernel"] for r in rows} == {"moe_w4a16", "mla_tree_attention", "build_tree", "tree_accept"}
+    for r in rows:
+        assert r["bytes"] > 0 and r["flops"] > 0 and r["repeats"] > 0
+        assert r["time_us_p10"] <= r["time_us_p50"] <= r["time_us_p90"]
+        assert r["device"] == "cpu" and r["impl"] == "torch"
+    for r in (r for r in rows if r["kernel"] == "moe_w4a16"):
+        assert 1 <= r["unique_experts"] <= min(r["E"], r["M"] * r["top_k"])
+        e, k, m = r["E"], r["top_k"], r["M"]
+        assert r["expected_experts"] == pytest.approx(e * (1 - (1 - k / e) ** m))
+
+
+def test_e2e_rows_split_each_step(smoke_dir):
+    out, _ = smoke_dir
+    rows = schema.read_table(out / "e2e.arrow").to_pylist()
+    assert len({(r["concurrency"], r["budget"]) for r in rows}) == len(rows) >= 2
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["steps"] > 0 and 0 <= r["accept_len_mean"]
+        assert 0 < r["synthetic_accept"] <= 1
+        parts = sum(r[k] for k in ("draft_ms", "tree_build_ms", "verify_ms", "accept_ms", "other_ms"))
+        assert parts == pytest.approx(statistics_mean_step(r), rel=0.5)
+        assert r["step_ms_p50"] <= r["step_ms_p99"] and r["itl_ms_p50"] <= r["itl_ms_p99"]
+
+
+def statistics_mean_step(r: dict) -> float:
+    """The stages sum to the mean step, which sits near the median step."""
+    return r["step_ms_p50"]
+
+
+def test_comm_skipped_on_cpu_with_reason(smoke_dir):
+    out, events = smoke_dir
+    rows = schema.read_table(out / "comm.arrow").to_pylist()
+    assert len(rows) == 1 and rows[0]["status"] == "skipped" and "GPU" in rows[0]["skip_reason"]
+    assert events["comm"][-1] == {"event": "done", "suite": "comm", "status": "skipped", "points": 1}
+
+
+def test_progress_lines_one_per_point(smoke_dir):
+    out, events = smoke_dir
+    for suite in ("kernels", "e2e"):
+        ev = events[suite]
+        points = [e for e in ev if e["event"] == "point"]
+        assert [e["i"] for e in points] == list(range(1, len(points) + 1))
+        assert {e["n"] for e in points} == {len(points)} and all(e["suite"] == suite for e in points)
+        assert ev[-1]["event"] == "done" and ev[-1]["status"] == "complete"
+        assert schema.read_table(out / f"{suite}.arrow").num_rows == len(points)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_run_leaves_readable_partial_files(tmp_path, sig):
+    """Stop the (slower) full e2e on the CPU after its first point."""
+    cmd = [sys.executable, "-m", "engine.bench", "--suite", "e2e", "--profile", "full", "--host", "sb-1",
+           "--out", str(tmp_path), "--run-id", "run-k"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            if line.startswith("KDBENCH ") and json.loads(line[8:])["event"] == "point":
+                break
+            assert time.monotonic() < deadline
+        os.kill(proc.pid, sig)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == (-9 if sig == signal.SIGKILL else 143)
+    e2e = schema.read_table(tmp_path / "e2e.arrow")
+    runs = schema.read_table(tmp_path / "runs.arrow").to_pylist()
+    assert e2e.num_rows >= 1
+    assert [(r["suite"], r["status"]) for r in runs] == [("e2e", "partial")]
+    assert runs[0]["points"] == e2e.num_rows
+    _check_manifest(tmp_path)
+    if sig == signal.SIGTERM:
+        assert "stopped by signal 15" in runs[0]["note"]
+
+
+def test_build_cpu_checks_references(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "engine.build", "--arch", "cpu", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    body = json.loads((tmp_path / "build.json").read_text())
+    assert body["arch_asked"] == "cpu" and body["device_found"]["device"] == "cpu"
+    assert body["versions"]["torch"]
+    assert set(body["kernels"]) == {"moe_w4a16", "mla_tree_attention", "build_tree", "tree_accept"}
+    assert {v["status"] for v in body["kernels"].values()} == {"reference"}
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["-m", "engine.build", "--arch", "sm_90"], "no CUDA GPU"),
+    (["-m", "engine.bench", "--suite", "kernels", "--profile", "smoke", "--host", "h", "--device", "cuda"], "no CUDA GPU"),
+    (["-m", "engine.bench", "--suite", "kernels", "--profile", "smoke", "--host", "../etc"], "--host"),
+    (["-m", "engine.bench", "--suite", "nope", "--profile", "smoke", "--host", "h"], "--suite"),
+])
+def test_bad_arch_device_or_usage_exit_2(tmp_path, argv, needle):
+    r = subprocess.run([sys.executable, *argv, "--out", str(tmp_path / "o")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())

@@ -1,0 +1,172 @@
+"""Notes: deterministic bytes, honest labels, regressions, commits only on change, no leaks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.inventory import Inventory, load_inventory, update_host
+from flows.notes import NotesError, commit_notes, gather, leaks, notes_message, render_notes, summary_lines
+from flows.projection import project_host
+from flows.store import Store
+from test_projection_synth import write_run
+
+REPO = Path(__file__).resolve().parents[1]
+SECRETS = {"address": "10.20.30.40", "user": "alice", "key_file": "/home/alice/.ssh/id_ed25519"}
+
+
+@pytest.fixture(scope="module")
+def inv(tmp_path_factory: pytest.TempPathFactory) -> Inventory:
+    """The shipped inventory with real-looking address, user and key path, which must never surface."""
+    hosts = tmp_path_factory.mktemp("inv") / "hosts"
+    shutil.copytree(REPO / "hosts", hosts)
+    for name in ("h200", "b300"):
+        update_host(hosts, name, **SECRETS)
+    return load_inventory(hosts)
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory, inv: Inventory) -> tuple[Store, Path]:
+    tmp = tmp_path_factory.mktemp("notes")
+    write_run(tmp / "art" / "reference" / "h200")
+    store = Store(str(tmp / "art"))
+    render_notes(store, inv, tmp / "docs")
+    return store, tmp / "docs" / "notes"
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_pages_and_plots_exist(rendered: tuple[Store, Path]) -> None:
+    _, notes = rendered
+    names = set(_files(notes))
+    assert {"README.md", "h200.md", "b300.md", "pro6000.md"} <= names
+    for host in ("h200", "b300", "pro6000"):
+        for plot in ("moe_us_per_token", "moe_pct_peak_bw", "roofline", "amdahl"):
+            assert f"{host}/{plot}.png" in names
+    index = (notes / "README.md").read_text()
+    assert "| [b300](b300.md) |" in index and "released, 2026-11-01" in index and "| projected |" in index
+
+
+def test_render_is_byte_identical_in_process_and_from_the_cli(rendered: tuple[Store, Path], inv: Inventory,
+                                                              tmp_path: Path) -> None:
+    store, notes = rendered
+    render_notes(store, inv, tmp_path / "again")
+    assert _files(tmp_path / "again" / "notes") == _files(notes)
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    argv = ["notes", "--artifacts", store.base, "--hosts", str(inv.dir), "--docs", str(tmp_path / "cli")]
+    cli = subprocess.run([sys.executable, "-c", "from flows.cli import app; app()", *argv], env=env,
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert cli.returncode == 0, cli.stderr
+    assert "b300: projected" in cli.stdout and "h200: measured" in cli.stdout
+    assert _files(tmp_path / "cli" / "notes") == _files(notes)
+
+
+def test_projected_page_never_calls_itself_measured(rendered: tuple[Store, Path]) -> None:
+    _, notes = rendered
+    for host in ("b300", "pro6000"):
+        text = (notes / f"{host}.md").read_text()
+        title, _, status = text.splitlines()[:3]
+        assert title.endswith(": projected") and "measured" not in title
+        assert status.startswith("**Data: projected** from h200") and "measured" not in status
+        assert "Data: measured" not in text
+        assert "## Projection" in text and "Assumptions:" in text and "band (us)" in text
+    h200 = (notes / "h200.md").read_text()
+    assert h200.splitlines()[0].endswith(": measured") and "plateau M = " in h200
+
+
+def test_summary_lines(rendered: tuple[Store, Path], inv: Inventory) -> None:
+    store, _ = rendered
+    lines = summary_lines(store, inv)
+    assert any(line.startswith("Measured h200: MoE W4A16 decode ") and "% of copy bandwidth" in line
+               for line in lines)
+    assert any(line.startswith("Projected b300 from h200: MoE W4A16 decode ") for line in lines)
+
+
+def test_regression_against_previous_run_is_flagged(tmp_path: Path, inv: Inventory) -> None:
+    write_run(tmp_path / "art" / "reference" / "h200")
+    store = Store(str(tmp_path / "art"))
+    slower = write_run(tmp_path / "pulled", run_id="h200-2", bw=3000.0, started_at="2026-10-21T10:00:00Z")
+    store.ingest("h200", "h200-2", slower)
+    [h200] = [v for v in gather(store, inv) if v.name == "h200"]
+    assert [r.run_id for r in h200.measured] == ["h200-20261020-1", "h200-2"]
+    render_notes(store, inv, tmp_path / "docs")
+    text = (tmp_path / "docs" / "notes" / "h200.md").read_text()
+    assert "Run h200-2 against h200-20261020-1" in text and "REGRESSION" in text
+
+
+def test_stored_projection_is_shown_when_the_reference_is_gone(tmp_path: Path, inv: Inventory) -> None:
+    write_run(tmp_path / "art" / "reference" / "h200")
+    store = Store(str(tmp_path / "art"))
+    run_id = project_host(store, inv, "b300")
+    shutil.rmtree(tmp_path / "art" / "reference")
+    views = {v.name: v for v in gather(store, inv)}
+    assert views["b300"].kind == "projected" and views["b300"].latest.run_id == run_id
+    assert views["pro6000"].kind == "no data" and "artifacts/reference/h200" in views["pro6000"].missing
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.mark.integration
+def test_commit_only_on_change_and_nothing_leaks(tmp_path: Path, inv: Inventory) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "other.txt").write_text("untouched\n")
+    write_run(repo / "artifacts" / "reference" / "h200")
+    store = Store(str(repo / "artifacts"))
+
+    def publish() -> str | None:
+        paths = render_notes(store, inv, repo / "docs")
+        return commit_notes(repo, paths, notes_message(store, inv), inv)
+
+    first = publish()
+    assert first and publish() is None                      # same inputs: no new commit
+    store.ingest("h200", "h200-2", write_run(tmp_path / "pulled", run_id="h200-2", bw=3000.0,
+                                            started_at="2026-10-21T10:00:00Z"))
+    second = publish()
+    assert second and second != first
+    changed = _git(repo, "show", "--name-only", "--format=", second).split()
+    assert changed and all(p.startswith("docs/notes/") for p in changed)
+    assert "other.txt" in _git(repo, "status", "--porcelain")  # never swept into a notes commit
+    log = _git(repo, "log", "--format=%B")
+    assert "Measured h200: MoE W4A16 decode" in log and "Projected b300 from h200:" in log
+    with pytest.raises(NotesError, match="only docs/ and hosts/"):
+        commit_notes(repo, [repo / "other.txt"], "x")
+    # grep everything that was written or committed for the inventory's address, user and key path
+    authors = _git(repo, "log", "--format=%an %ae %cn %ce")
+    texts = [p.read_text() for p in (repo / "docs").rglob("*.md")] + [log, authors]
+    blobs = [p.read_bytes() for p in (repo / "docs").rglob("*.png")]
+    for secret in SECRETS.values():
+        assert not any(secret in t for t in texts)
+        assert not any(secret.encode() in b for b in blobs)
+    assert leaks("ssh alice@10.20.30.40 -i /home/alice/.ssh/id_ed25519", inv) == [
+        "a home or key path", "a login (user@host)", "an IPv4 address", "the address of b300",
+        "the address of h200", "the key path of b300", "the key path of h200", "the user of b300",
+        "the user of h200"]
+    # a message quoting an SSH error is redacted before it is committed
+    (repo / "docs" / "extra.md").write_text("x\n")
+    third = commit_notes(repo, [repo / "docs" / "extra.md"], "lost alice@10.20.30.40: key /home/alice/.ssh/id_ed25519")
+    body = _git(repo, "log", "-1", "--format=%B", third)
+    assert "[redacted]" in body and not any(v in body for v in SECRETS.values())
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "hosts" / "specs").mkdir(parents=True)
+    (tmp_path / "hosts" / "bad.yaml").write_text("name: bad\nport: nope\n")
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    res = CliRunner().invoke(app, ["notes", "--artifacts", str(tmp_path / "art"), "--hosts",
+                                   str(tmp_path / "hosts"), "--docs", str(tmp_path / "docs")])
+    assert res.exit_code == 2 and "bad.yaml" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["backtest", "--artifacts", str(tmp_path / "art"), "--hosts", str(REPO / "hosts")])
+    assert res.exit_code == 0 and "no measured data" in res.output

@@ -1,0 +1,61 @@
+"""Pulled files are accepted only when their sha256 and schema check out; the rest is quarantined."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pytest
+
+from engine.schema import to_table, write_manifest, write_table
+from flows.pull import pull, quarantine
+from flows.ssh import Remote
+from flows.store import Store
+
+pytestmark = pytest.mark.integration
+
+RUN = "r1"
+
+
+def _results(out: Path) -> None:
+    prov = {"run_id": RUN, "host": "pull1"}
+    write_table(out, to_table("runs", [{"run_id": RUN, "host": "pull1", "suite": "kernels", "profile": "smoke",
+                                        "status": "complete", "source": "measured"}], prov))
+    write_table(out, to_table("kernels", [{"run_id": RUN, "kernel": "moe_w4a16", "impl": "torch", "dtype": "bf16",
+                                           "device": "cpu", "time_us_p50": 10.0, "bytes": 1e6, "flops": 1e6,
+                                           "source": "measured"}], prov))
+    write_table(out, to_table("e2e", [{"run_id": RUN, "config": "k2-mini", "device": "cpu", "concurrency": 1,
+                                       "budget": 16, "tokens_per_s": 5.0, "source": "measured"}], prov))
+    # a well-formed Arrow file listed in the manifest, but without the kdbench schema
+    t = pa.table({"x": [1, 2]})
+    with ipc.new_file(str(out / "comm.arrow"), t.schema) as w:
+        w.write_table(t)
+    write_manifest(out)
+    # corrupted after the manifest was written: the sha256 no longer matches
+    data = bytearray((out / "e2e.arrow").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (out / "e2e.arrow").write_bytes(bytes(data))
+
+
+def test_corrupt_and_malformed_files_are_quarantined_and_never_ingested(sandbox_factory, tmp_path: Path) -> None:
+    sbx = sandbox_factory(names=["pull1"])
+    host = sbx.host("pull1")
+    remote_dir = Path(host.work_dir) / "runs" / RUN / "out"  # the sandbox host's disk is this machine's
+    remote_dir.mkdir(parents=True)
+    _results(remote_dir)
+    with Remote(host, sbx.hosts_dir) as r:
+        pulled = pull(r, str(remote_dir), tmp_path / "staging")
+    assert pulled.accepted == ["kernels.arrow", "runs.arrow"]
+    assert set(pulled.quarantined) == {"comm.arrow", "e2e.arrow"}
+    assert "sha256" in pulled.quarantined["e2e.arrow"]
+    assert "schema version" in pulled.quarantined["comm.arrow"]
+
+    store = Store(str(tmp_path / "artifacts"))
+    where = quarantine(store, "pull1", RUN, pulled)
+    for name in ("comm.arrow", "e2e.arrow"):
+        assert (Path(where) / name).is_file()
+        assert pulled.quarantined[name] in (Path(where) / f"{name}.reason").read_text()
+    store.ingest("pull1", RUN, pulled.accepted_dir)
+    assert set(store.load("pull1", RUN)) == {"runs", "kernels"}
+    assert store.dataset("e2e").to_table().num_rows == 0
