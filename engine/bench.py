@@ -85,19 +85,33 @@ def run_suite(a: argparse.Namespace, device: torch.device, prov: dict) -> int:
 
 
 def _loop(w: SuiteWriter, points: list, driver) -> int:
-    """Run the points (or let `driver` push rows), writing each; SIGTERM leaves status partial."""
+    """Run the points (or let `driver` push rows), writing each as it completes.
+
+    A failing point is reported and skipped (the suite ends "partial" with the failures in its
+    note), so one bad shape does not cost the rest of a GPU session; SIGTERM stops at once.
+    """
+    failed: list[str] = []
     try:
         if driver is not None:
             driver(w.add)
         else:
-            for _label, fn in points:
-                w.add(fn())
+            for label, fn in points:
+                try:
+                    w.add(fn())
+                except Terminated:
+                    raise
+                except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+                    traceback.print_exc()
+                    failed.append(f"{label}: {type(e).__name__}: {e}"[:200])
     except Terminated as t:
         w.finish("partial", f"stopped by signal {t.args[0]} after {len(w.rows)} of {w.n} points")
         return 128 + int(t.args[0])
-    except Exception as e:  # a failing point ends the suite but keeps what was measured
+    except Exception as e:  # the comm driver failed: keep what was measured
         traceback.print_exc()
         w.finish("partial", f"failed after {len(w.rows)} of {w.n} points: {type(e).__name__}: {e}"[:500])
+        return 1
+    if failed:
+        w.finish("partial", f"{len(failed)} of {w.n} points failed: " + " | ".join(failed))
         return 1
     w.finish("complete")
     return 0

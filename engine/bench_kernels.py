@@ -89,17 +89,19 @@ class KernelBench:
         p = self.p
         pts: list[tuple[str, Callable[[], Row]]] = []
         for m in p.moe_m:
-            pts.append(("moe_w4a16", lambda m=m: self.moe(m, "auto")))
+            pts.append((f"moe_w4a16 M={m}", lambda m=m: self.moe(m, "auto")))
             if m in p.moe_torch_m:
-                pts.append(("moe_w4a16", lambda m=m: self.moe(m, "torch")))
+                pts.append((f"moe_w4a16 M={m} torch", lambda m=m: self.moe(m, "torch")))
         for b, n, c in p.attn:
-            pts.append(("mla_tree_attention", lambda b=b, n=n, c=c: self.attention(b, n, c, "auto")))
+            pts.append((f"mla_tree_attention Bt={b} B={n} ctx={c}",
+                        lambda b=b, n=n, c=c: self.attention(b, n, c, "auto")))
         for b, n, c in p.attn_torch:
-            pts.append(("mla_tree_attention", lambda b=b, n=n, c=c: self.attention(b, n, c, "torch")))
+            pts.append((f"mla_tree_attention Bt={b} B={n} ctx={c} torch",
+                        lambda b=b, n=n, c=c: self.attention(b, n, c, "torch")))
         for b, n in p.tree:
-            pts.append(("build_tree", lambda b=b, n=n: self.tree_build(b, n)))
+            pts.append((f"build_tree Bt={b} B={n}", lambda b=b, n=n: self.tree_build(b, n)))
         for b, n in p.tree:
-            pts.append(("tree_accept", lambda b=b, n=n: self.tree_accept(b, n)))
+            pts.append((f"tree_accept Bt={b} B={n}", lambda b=b, n=n: self.tree_accept(b, n)))
         return pts
 
     # ------------------------------------------------------------------ MoE

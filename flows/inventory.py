@@ -180,7 +180,7 @@ def _yaml() -> YAML:
     return y
 
 
-def _rel(path: Path) -> str:
+def display_path(path: Path) -> str:
     """A path for messages: relative to the cwd when possible, so messages stay readable."""
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
@@ -196,9 +196,9 @@ def _read_yaml(path: Path) -> Any:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise InventoryError(f"{_rel(path)}: malformed YAML{where}: {problem}") from None
+        raise InventoryError(f"{display_path(path)}: malformed YAML{where}: {problem}") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise InventoryError(f"{_rel(path)}: cannot be read: {e}") from None
+        raise InventoryError(f"{display_path(path)}: cannot be read: {e}") from None
 
 
 def validation_message(path: Path, e: ValidationError) -> str:
@@ -213,12 +213,12 @@ def validation_message(path: Path, e: ValidationError) -> str:
         elif "input" in err and err["type"] not in ("missing",):
             msg = f"{msg} (got {err['input']!r})"
         parts.append(f"field '{loc}': {msg}")
-    return f"{_rel(path)}: " + "; ".join(parts)
+    return f"{display_path(path)}: " + "; ".join(parts)
 
 
 def _model(cls: type[BaseModel], path: Path, data: Any) -> Any:
     if not isinstance(data, dict):
-        raise InventoryError(f"{_rel(path)}: expected a mapping of fields, got {type(data).__name__}")
+        raise InventoryError(f"{display_path(path)}: expected a mapping of fields, got {type(data).__name__}")
     try:
         return cls.model_validate(dict(data))
     except ValidationError as e:
@@ -230,7 +230,7 @@ def load_specs(hosts_dir: Path) -> dict[str, Spec]:
     for path in sorted((hosts_dir / "specs").glob("*.yaml")):
         spec = _model(Spec, path, _read_yaml(path))
         if spec.name != path.stem:
-            raise InventoryError(f"{_rel(path)}: field 'name': must equal the file name '{path.stem}'")
+            raise InventoryError(f"{display_path(path)}: field 'name': must equal the file name '{path.stem}'")
         specs[spec.name] = spec
     return specs
 
@@ -241,31 +241,31 @@ def _host_files(hosts_dir: Path) -> list[Path]:
 
 def _check_host(path: Path, host: Host, specs: dict[str, Spec], hosts_dir: Path) -> None:
     if host.name != path.stem:
-        raise InventoryError(f"{_rel(path)}: field 'name': must equal the file name '{path.stem}' (got {host.name!r})")
+        raise InventoryError(f"{display_path(path)}: field 'name': must equal the file name '{path.stem}' (got {host.name!r})")
     if host.spec not in specs:
         known = ", ".join(sorted(specs)) or "none"
-        raise InventoryError(f"{_rel(path)}: field 'spec': unknown spec {host.spec!r} (known: {known})")
+        raise InventoryError(f"{display_path(path)}: field 'spec': unknown spec {host.spec!r} (known: {known})")
     if host.status == "retired" and host.retired_reason is None:
-        raise InventoryError(f"{_rel(path)}: field 'retired_reason': required when status is 'retired'")
+        raise InventoryError(f"{display_path(path)}: field 'retired_reason': required when status is 'retired'")
     if host.status == "active" and host.retired_reason is not None:
-        raise InventoryError(f"{_rel(path)}: field 'retired_reason': must be empty when status is 'active'")
+        raise InventoryError(f"{display_path(path)}: field 'retired_reason': must be empty when status is 'active'")
     # A retired or not-yet-filled-in host may legitimately lack its key on this machine.
     if host.status == "active" and not host.is_placeholder() and not host.key_path(hosts_dir).is_file():
-        raise InventoryError(f"{_rel(path)}: field 'key_file': file not found ({host.key_file})")
+        raise InventoryError(f"{display_path(path)}: field 'key_file': file not found ({host.key_file})")
 
 
 def load_inventory(hosts_dir: Path) -> Inventory:
     """Every host and spec of the folder, validated; InventoryError on the first bad file."""
     hosts_dir = Path(hosts_dir)
     if not hosts_dir.is_dir():
-        raise InventoryError(f"{_rel(hosts_dir)}: inventory folder not found")
+        raise InventoryError(f"{display_path(hosts_dir)}: inventory folder not found")
     inv = Inventory(dir=hosts_dir, specs=load_specs(hosts_dir))
     seen: dict[str, Path] = {}
     for path in _host_files(hosts_dir):
         host = _model(Host, path, _read_yaml(path))
         if host.name in seen:
             raise InventoryError(
-                f"{_rel(path)}: field 'name': duplicate name {host.name!r} (also in {_rel(seen[host.name])})"
+                f"{display_path(path)}: field 'name': duplicate name {host.name!r} (also in {display_path(seen[host.name])})"
             )
         seen[host.name] = path
         _check_host(path, host, inv.specs, hosts_dir)
@@ -280,7 +280,7 @@ def host_path(hosts_dir: Path, name: str) -> Path:
         p = Path(hosts_dir) / f"{name}{suffix}"
         if p.is_file():
             return p
-    raise InventoryError(f"{_rel(Path(hosts_dir))}: no host named {name!r} (no {name}.yaml)")
+    raise InventoryError(f"{display_path(Path(hosts_dir))}: no host named {name!r} (no {name}.yaml)")
 
 
 def load_host(hosts_dir: Path, name: str) -> Host:
@@ -322,11 +322,11 @@ def update_host(hosts_dir: Path, name: str, **changes: Any) -> Host:
     path = host_path(hosts_dir, name)
     unknown = sorted(set(changes) - set(Host.model_fields))
     if unknown:
-        raise InventoryError(f"{_rel(path)}: field '{unknown[0]}': unknown field")
+        raise InventoryError(f"{display_path(path)}: field '{unknown[0]}': unknown field")
     with _lock(hosts_dir, name):
         data = _read_yaml(path)
         if not isinstance(data, dict):
-            raise InventoryError(f"{_rel(path)}: expected a mapping of fields")
+            raise InventoryError(f"{display_path(path)}: expected a mapping of fields")
         for k, v in changes.items():
             data[k] = _to_yaml_value(v)
         host = _model(Host, path, data)
@@ -340,7 +340,7 @@ def write_new_host(hosts_dir: Path, host: Host) -> Path:
     path = Path(hosts_dir) / f"{host.name}.yaml"
     with _lock(hosts_dir, host.name):
         if path.exists() or path.with_suffix(".yml").exists():
-            raise InventoryError(f"{_rel(path)}: host {host.name!r} already exists")
+            raise InventoryError(f"{display_path(path)}: host {host.name!r} already exists")
         _check_host(path, host, load_specs(Path(hosts_dir)), Path(hosts_dir))
         _atomic_write(path, {k: _to_yaml_value(v) for k, v in host.model_dump().items()})
     return path

@@ -269,7 +269,7 @@ def environment(view: HostView, run: Run) -> list[str]:
     if spec:
         rows += [("GPU", f"{spec.gpu} ({spec.arch})"), ("memory", f"{spec.memory_gb:g} GB"),
                  ("spec bandwidth", f"{spec.mem_bw_gbps:,.0f} GB/s"),
-                 ("spec bf16 dense", f"{spec.tflops.get('bf16', 0):,.0f} TFLOP/s")]
+                 ("spec bf16 dense", f"{sig(spec.tflops.get('bf16'))} TFLOP/s")]
     if host:
         rows += [("GPUs", f"{host.gpus} on {host.interconnect}"), ("inventory status", status_line(view))]
     r = run.runs_row
@@ -277,7 +277,8 @@ def environment(view: HostView, run: Run) -> list[str]:
     if view.kind == "measured":
         rows += [(k, str(r[k])) for k in ("gpu_name", "driver", "cuda", "torch", "triton", "python",
                                           "payload_hash", "device", "profile", "started_at") if r.get(k)]
-        rows += [("measured copy bandwidth", f"{sig(copy)} GB/s"), ("measured matmul", f"{sig(mm)} TFLOP/s")]
+        rows += [("measured copy bandwidth", f"{sig(r.get('copy_gbps'))} GB/s"),
+                 ("measured matmul", f"{sig(r.get('matmul_tflops'))} TFLOP/s")]
     else:
         rows += [("projected ceilings", f"{sig(copy)} GB/s, {sig(mm)} TFLOP/s")]
     rows.append(("run", run.run_id))
@@ -312,11 +313,9 @@ def moe_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
                if projected else None)]
     plots.lines(out_dir / "moe_us_per_token.png", series, f"{name}: time per token", "M (tokens)",
                 "us / token", logy=True)
-    pct = [(f"% of copy BW ({fmt(copy, 0)} GB/s)", [k["M"] for k in pts],
-            [100 * k["bytes"] / (k["time_us_p50"] * 1e3) / copy for k in pts], None)]
-    if spec_bw:
-        pct.append((f"% of spec BW ({spec_bw:,.0f} GB/s)", [k["M"] for k in pts],
-                    [100 * k["bytes"] / (k["time_us_p50"] * 1e3) / spec_bw for k in pts], None))
+    pct = [(f"% of {label} BW ({sig(bw)} GB/s)", [k["M"] for k in pts],
+            [100 * k["bytes"] / (k["time_us_p50"] * 1e3) / bw for k in pts], None)
+           for label, bw in (("copy", copy), ("spec", spec_bw)) if bw]
     plots.lines(out_dir / "moe_pct_peak_bw.png", pct, f"{name}: bandwidth", "M (tokens)", "% of peak")
     shape = f"E={pts[0]['E']} routed experts, top-{pts[0]['top_k']}, H={pts[0]['K']}"
     return ["## MoE W4A16 GEMM", "",
@@ -354,10 +353,12 @@ def other_kernels(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str
     if view.kind == "projected" and view.projection.ref:
         p = view.projection
         roofs.append((f"{p.ref_host} (reference)", *ceilings_of(p.ref, p.ref_spec)))
-    plots.roofline(out_dir / "roofline.png", [(f, xs, ys) for f, (xs, ys) in sorted(fams.items())], roofs,
-                   f"{view.name}: roofline ({view.kind})")
-    return ["## Attention and tree kernels", ""] + (_table(head, rows) if rows else ["No points.", ""]) + [
-        f"![roofline]({rel}/roofline.png)", ""]
+    out = ["## Attention and tree kernels", ""] + (_table(head, rows) if rows else ["No points.", ""])
+    if fams:
+        plots.roofline(out_dir / "roofline.png", [(f, xs, ys) for f, (xs, ys) in sorted(fams.items())], roofs,
+                       f"{view.name}: roofline ({view.kind})")
+        out += [f"![roofline]({rel}/roofline.png)", ""]
+    return out
 
 
 def point_key_sort(k: dict[str, Any]) -> tuple:

@@ -40,8 +40,9 @@ def notes(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir
                                       help="Commit the notes with git (only when they changed).")) -> None:
     """Regenerate docs/notes/ (one page per host, the fleet index, plots) from artifacts/ alone.
 
-    A host with no measured run gets a projected page from the reference. The same inputs always
-    give the same bytes, so a commit only happens when a figure changed.
+    A host with no measured run gets a projected page, carried from the reference.
+
+    The same inputs always give the same bytes, so a commit only happens when a figure changed.
     """
     try:
         store, inv = Store(artifacts or default_root()), load_inventory(hosts or default_hosts_dir())
@@ -60,9 +61,11 @@ def notes(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir
 def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir) -> None:
     """Project every measured host from every measured host and print the error per kernel family and e2e.
 
-    Error = projected / measured - 1 (median and worst over the matched points); "in band" is the
-    share of measured points inside the projected low-high band. A host projected from itself must
-    show zero error: it checks the projection's arithmetic.
+    Error = projected / measured - 1, median and worst over the matched points.
+
+    "in band" is the share of measured points inside the projected low-high band.
+
+    A host projected from itself must show zero error: that row checks the projection's arithmetic.
     """
     try:
         rows = backtest(Store(artifacts or default_root()), load_inventory(hosts or default_hosts_dir()))

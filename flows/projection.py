@@ -140,14 +140,17 @@ def family(kernel: str) -> str:
 def load_reference(store: Store, inv: Inventory, name: str) -> Reference:
     """A committed reference set `name`, else the latest complete measured run of host `name`."""
     if name in store.references():
-        tables = store.reference(name)
-    else:
-        runs = [r for r in store.runs(name) if r.source == "measured" and r.status == "complete"]
-        if not runs:
-            raise ProjectionError(
-                f"no reference data {name!r}: artifacts/reference/{name}/ is absent and host {name} "
-                "has no complete measured run in the store")
-        tables = store.load(name, runs[-1].run_id)
+        return as_reference(name, store.reference(name), inv)
+    runs = [r for r in store.runs(name) if r.source == "measured" and r.status == "complete"]
+    if not runs:
+        raise ProjectionError(
+            f"no reference data {name!r}: artifacts/reference/{name}/ is absent and host {name} "
+            "has no complete measured run in the store")
+    return as_reference(name, store.load(name, runs[-1].run_id), inv)
+
+
+def as_reference(name: str, tables: dict[str, pa.Table], inv: Inventory) -> Reference:
+    """Measured tables plus the spec sheet, GPU count and links of the host they ran on."""
     row = tables["runs"].to_pylist()[0]
     host_name, run_id = row["host"], row["run_id"]
     host = inv.hosts.get(host_name)
@@ -569,15 +572,15 @@ class BacktestRow:
 
 
 def measured_datasets(store: Store, inv: Inventory) -> list[Reference]:
-    """The newest complete measured data of every host: store runs, else committed references."""
+    """The newest complete measured data of every host: its latest store run, else a committed reference."""
     by_host: dict[str, Reference] = {}
     for name in store.references():
-        ref = load_reference(store, inv, name)
+        ref = as_reference(name, store.reference(name), inv)
         by_host.setdefault(ref.host, ref)
-    for info in store.runs():
+    for info in store.runs():   # oldest first, so the newest run of a host wins
         if info.source == "measured" and info.status == "complete":
             try:
-                by_host[info.host] = load_reference(store, inv, info.host)
+                by_host[info.host] = as_reference(info.host, store.load(info.host, info.run_id), inv)
             except ProjectionError:
                 continue
     return [by_host[h] for h in sorted(by_host)]

@@ -123,6 +123,7 @@ def server(
     port: int = typer.Option(DEFAULT_PORT, help="Port on 127.0.0.1."),
     home: Path = typer.Option(DEFAULT_HOME, help="Server state: SQLite DB, log, pid file."),
     stop: bool = typer.Option(False, "--stop", help="Stop the server this command started (pid file in --home)."),
+    ui: bool = typer.Option(True, "--ui/--no-ui", help="Serve the Prefect UI too."),
 ) -> None:
     """Start a local Prefect server (SQLite) unless one answers already; print its API URL."""
     url = f"http://127.0.0.1:{port}/api"
@@ -139,7 +140,7 @@ def server(
         err.print(f"a Prefect server already answers on {url}")
         return
     try:
-        pid, url = start_server(home, port)
+        pid, url = start_server(home, port, ui=ui)
     except RuntimeError as e:
         raise _fail(str(e)) from None
     print(url)

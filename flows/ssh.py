@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import paramiko
 from pydantic import BaseModel
 
-from flows.inventory import Host, InventoryError, fingerprint, load_specs, parse_public_key
+from flows.inventory import Host, InventoryError, display_path, fingerprint, load_specs, parse_public_key
 
 Outcome = Literal["ok", "unauthorized", "host_key_changed", "host_key_unknown", "unreachable", "timeout"]
 
@@ -79,7 +79,7 @@ class RunResult(BaseModel):
 def refuse_placeholder(host: Host, hosts_dir: Path) -> None:
     """Stop before any network activity while the shipped placeholder address is still there."""
     if host.is_placeholder():
-        path = Path(hosts_dir) / f"{host.name}.yaml"
+        path = display_path(Path(hosts_dir) / f"{host.name}.yaml")
         raise InventoryError(
             f"{path}: field 'address': {host.address!r} is a placeholder; "
             f"edit {path} and set the host's real address before contacting it"
@@ -89,7 +89,7 @@ def refuse_placeholder(host: Host, hosts_dir: Path) -> None:
 def _connect(host: Host, hosts_dir: Path, timeouts: Timeouts) -> paramiko.SSHClient:
     """An authenticated client trusting only the pinned keys; RemoteError(outcome=...) otherwise."""
     refuse_placeholder(host, hosts_dir)
-    where = Path(hosts_dir) / f"{host.name}.yaml"
+    where = display_path(Path(hosts_dir) / f"{host.name}.yaml")
     key_path = host.key_path(hosts_dir)
     if not key_path.is_file():
         raise InventoryError(f"{where}: field 'key_file': file not found")

@@ -153,4 +153,3 @@ def test_timeout_when_facts_command_hangs(sandbox, tmp_path: Path) -> None:
     r = probe(sandbox.host(), sandbox.hosts_dir, Timeouts(connect=2, banner=2, auth=2, command=1))
     assert r.outcome == "timeout" and "fact-finding" in r.detail, r.detail
     assert r.elapsed_s < 1 + 1.5
-
