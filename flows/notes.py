@@ -202,8 +202,11 @@ def sig(x: float | None) -> str:
     return "-" if x is None else f"{x:.4g}"
 
 
-def tbps(gbps: float) -> str:
-    return f"{gbps / 1e3:.2f} TB/s"
+def bandwidth(gbps: float, *more: float) -> str:
+    """`3.78 TB/s`, or `11.2 GB/s` below 1 TB/s; extra values (a band) share the first one's unit."""
+    scale, unit, spec = (1e3, "TB/s", ".2f") if gbps >= 1e3 else (1.0, "GB/s", ".3g")
+    band = f" ({'-'.join(format(x / scale, spec) for x in more)})" if more else ""
+    return f"{gbps / scale:{spec}} {unit}{band}"
 
 
 def headline(view: HostView) -> str:
@@ -217,11 +220,11 @@ def headline(view: HostView) -> str:
         gbps = moe["bytes"] / (moe["time_us_p50"] * 1e3)
         copy, _ = ceilings_of(run, view.spec)
         if view.kind == "measured":
-            parts.append(f"MoE W4A16 decode {tbps(gbps)} at M={moe['M']} = {gbps / copy:.0%} of copy bandwidth")
+            parts.append(f"MoE W4A16 decode {bandwidth(gbps)} at M={moe['M']} = {gbps / copy:.0%} of copy bandwidth")
         else:
             lo = moe["bytes"] / (moe["time_us_high"] * 1e3)
             hi = moe["bytes"] / (moe["time_us_low"] * 1e3)
-            parts.append(f"MoE W4A16 decode {tbps(gbps)} ({lo / 1e3:.2f}-{hi / 1e3:.2f}) at M={moe['M']}")
+            parts.append(f"MoE W4A16 decode {bandwidth(gbps, lo, hi)} at M={moe['M']}")
     e2e = best_e2e(run)
     if e2e:
         band = "" if view.kind == "measured" else \
@@ -391,7 +394,8 @@ def e2e_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
     level = sorted({e["synthetic_accept"] for e in rows if e["synthetic_accept"] is not None})
     out = ["## End to end", "",
            "Tokens/s = (accepted draft tokens + 1 bonus token) x concurrency / step time. Acceptance is "
-           f"synthetic (drafter steered at level {', '.join(f'{x:g}' for x in level) or '-'}).", ""] + _table(head, table)
+           f"synthetic (drafter steered at level {', '.join(f'{x:g}' for x in level) or '-'}).", ""]
+    out += _table(head, table)
     # the step split and its Amdahl shares; for a projection, the reference's next to the target's
     ref_rows = {}
     if projected and view.projection.ref:

@@ -18,12 +18,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# (BM, BN, BK, num_warps, num_stages, EXPAND, SWAP) per kernel, by tokens per expert; see NOTES.md.
-Config = tuple[int, int, int, int, int, int, int]
+# (BM, BN, BK, num_warps, num_stages, EXPAND) per kernel, by tokens per expert: the fastest
+# verified config of the H200 sweep (kernels/NOTES.md, run 3).
+Config = tuple[int, int, int, int, int, int]
 CONFIGS: dict[str, dict[str, Config]] = {
-    "decode": {"gate_up": (16, 64, 256, 4, 4, 4, 1), "down": (16, 64, 256, 4, 4, 4, 1)},
-    "mid": {"gate_up": (32, 64, 256, 4, 4, 4, 1), "down": (32, 64, 256, 4, 4, 4, 1)},
-    "large": {"gate_up": (64, 128, 128, 8, 3, 4, 1), "down": (64, 128, 128, 8, 3, 4, 1)},
+    "decode": {"gate_up": (16, 64, 128, 4, 4, 1), "down": (16, 64, 128, 4, 4, 1)},
+    "mid": {"gate_up": (32, 128, 128, 4, 3, 4), "down": (32, 128, 128, 4, 3, 4)},
+    "large": {"gate_up": (32, 64, 256, 4, 4, 4), "down": (32, 64, 256, 4, 4, 4)},
 }
 
 
@@ -96,24 +97,12 @@ def _planes(words, scales, dtype: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _dequant(words, scales, BN: tl.constexpr, BK: tl.constexpr, dtype: tl.constexpr, EXPAND: tl.constexpr):
-    """[BN, BK//8] int32 words -> [BN, BK] weights in `dtype` (EXPAND 0..2; 3/4 never build this).
-
-    EXPAND 0: broadcast words to [BN, BK//8, 8] and reshape (scales [BN, BK//32]).
-    EXPAND 1: eight planes (fp32 math), interleaved in registers (scales per word, [BN, BK//8]).
-    EXPAND 2: as 1 with the PTX planes.
-    """
-    if EXPAND == 0:
-        shifts = tl.arange(0, 8) * 4
-        nib = (words[:, :, None] >> shifts[None, None, :]) & 0xF
-        f = (nib ^ 0x4B000008).to(tl.float32, bitcast=True) - 8388616.0
-        f = tl.reshape(f, (BN, BK // 32, 32)) * scales.to(tl.float32)[:, :, None]
-        return tl.reshape(f, (BN, BK)).to(dtype)
-    else:
-        v0, v1, v2, v3, v4, v5, v6, v7 = _planes(words, scales, dtype, EXPAND == 2)
-        even = tl.interleave(tl.interleave(v0, v4), tl.interleave(v2, v6))
-        odd = tl.interleave(tl.interleave(v1, v5), tl.interleave(v3, v7))
-        return tl.interleave(even, odd)
+def _dequant(words, scales, dtype: tl.constexpr, ASM: tl.constexpr):
+    """[BN, BK//8] int32 words + per-word scales -> [BN, BK] weights: the planes interleaved in registers."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = _planes(words, scales, dtype, ASM)
+    even = tl.interleave(tl.interleave(v0, v4), tl.interleave(v2, v6))
+    odd = tl.interleave(tl.interleave(v1, v5), tl.interleave(v3, v7))
+    return tl.interleave(even, odd)
 
 
 @triton.jit
@@ -135,14 +124,15 @@ def _plane_dots(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, acc, dtype: tl.co
 def _moe_gemm(a_ptr, wq_ptr, ws_ptr, out_ptr, tw_ptr, slots_ptr, seg_ptr, cnt_ptr, bexp_ptr, bms_ptr,
               N, K, E, a_rows_per_slot, w_rows,
               GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              EXPAND: tl.constexpr, SWAP: tl.constexpr):
-    """One (token block of one expert, BN columns) tile over all of K.
+              EXPAND: tl.constexpr):
+    """One (token block of one expert, BN columns) tile over all of K, computed transposed
+    (weights are the MMA's M side, the few tokens its N side).
 
     GATED: weight rows [n] and [N + n] (gate, up) of w13, output silu(gate) * up at row `slot`;
     else: one weight row set, output scaled by the routing weight of `slot`.
     a rows are indexed by slot // a_rows_per_slot (x is per token, h is per slot).
-    SWAP computes the transposed tile (weights as the MMA's M side, tokens as its N side), which
-    suits few tokens per expert. EXPAND 3/4 (SWAP only): the plane dots, fp32 / PTX dequant.
+    EXPAND 1 / 2: dequantize to [BN, BK] (fp32 / PTX planes, interleaved) and one dot;
+    EXPAND 3 / 4: eight plane dots against the matching strided activations (K permuted).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -156,29 +146,26 @@ def _moe_gemm(a_ptr, wq_ptr, ws_ptr, out_ptr, tw_ptr, slots_ptr, seg_ptr, cnt_pt
         slot = tl.load(slots_ptr + seg + mstart + rm, mask=rvalid, other=0)
         arow = (slot // a_rows_per_slot).to(tl.int64)
         rn = pid_n * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
         rkw = tl.arange(0, BK // 8)
         e64 = e.to(tl.int64)
         wq = wq_ptr + e64 * w_rows * (K // 8) + rn[:, None] * (K // 8) + rkw[None, :]
-        if EXPAND == 0:  # one scale per group; the others take one per word
-            ws = ws_ptr + e64 * w_rows * (K // 32) + rn[:, None] * (K // 32) + tl.arange(0, BK // 32)[None, :]
+        ws = ws_ptr + e64 * w_rows * (K // 32) + rn[:, None] * (K // 32) + rkw[None, :] // 4
+        if EXPAND >= 3:
+            ap = a_ptr + arow[None, :] * K + 8 * rkw[:, None]
         else:
-            ws = ws_ptr + e64 * w_rows * (K // 32) + rn[:, None] * (K // 32) + rkw[None, :] // 4
-        if SWAP:
-            if EXPAND >= 3:
-                ap = a_ptr + arow[None, :] * K + 8 * rkw[:, None]
-            else:
-                ap = a_ptr + arow[None, :] * K + rk[:, None]
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-            acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-        else:
-            ap = a_ptr + arow[:, None] * K + rk[None, :]
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+            ap = a_ptr + arow[None, :] * K + tl.arange(0, BK)[:, None]
+        xm = rvalid[None, :]
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
         dt = a_ptr.dtype.element_ty
+        asm = EXPAND % 2 == 0
         for k0 in range(0, K, BK):
+            wg = tl.load(wq + k0 // 8)
+            sg = tl.load(ws + k0 // 32)
+            if GATED:
+                wu = tl.load(wq + N * (K // 8) + k0 // 8)
+                su = tl.load(ws + N * (K // 32) + k0 // 32)
             if EXPAND >= 3:
-                xm = rvalid[None, :]
                 x0 = tl.load(ap + k0 + 0, mask=xm, other=0.0)
                 x1 = tl.load(ap + k0 + 1, mask=xm, other=0.0)
                 x2 = tl.load(ap + k0 + 2, mask=xm, other=0.0)
@@ -187,40 +174,20 @@ def _moe_gemm(a_ptr, wq_ptr, ws_ptr, out_ptr, tw_ptr, slots_ptr, seg_ptr, cnt_pt
                 x5 = tl.load(ap + k0 + 5, mask=xm, other=0.0)
                 x6 = tl.load(ap + k0 + 6, mask=xm, other=0.0)
                 x7 = tl.load(ap + k0 + 7, mask=xm, other=0.0)
-                acc = _plane_dots(tl.load(wq + k0 // 8), tl.load(ws + k0 // 32),
-                                  x0, x1, x2, x3, x4, x5, x6, x7, acc, dt, EXPAND == 4)
+                acc = _plane_dots(wg, sg, x0, x1, x2, x3, x4, x5, x6, x7, acc, dt, asm)
                 if GATED:
-                    acc_u = _plane_dots(tl.load(wq + N * (K // 8) + k0 // 8), tl.load(ws + N * (K // 32) + k0 // 32),
-                                        x0, x1, x2, x3, x4, x5, x6, x7, acc_u, dt, EXPAND == 4)
+                    acc_u = _plane_dots(wu, su, x0, x1, x2, x3, x4, x5, x6, x7, acc_u, dt, asm)
             else:
-                w = _dequant(tl.load(wq + k0 // 8), tl.load(ws + k0 // 32), BN, BK, dt, EXPAND)
+                a = tl.load(ap + k0, mask=xm, other=0.0)
+                acc = tl.dot(_dequant(wg, sg, dt, asm), a, acc)
                 if GATED:
-                    wu = _dequant(tl.load(wq + N * (K // 8) + k0 // 8), tl.load(ws + N * (K // 32) + k0 // 32),
-                                  BN, BK, dt, EXPAND)
-                if SWAP:
-                    a = tl.load(ap + k0, mask=rvalid[None, :], other=0.0)
-                    acc = tl.dot(w, a, acc)
-                    if GATED:
-                        acc_u = tl.dot(wu, a, acc_u)
-                else:
-                    a = tl.load(ap + k0, mask=rvalid[:, None], other=0.0)
-                    acc = tl.dot(a, tl.trans(w), acc)
-                    if GATED:
-                        acc_u = tl.dot(a, tl.trans(wu), acc_u)
-        if SWAP:
-            if GATED:
-                res = acc / (1.0 + tl.exp(-acc)) * acc_u
-            else:
-                res = acc * tl.load(tw_ptr + slot, mask=rvalid, other=0.0)[None, :]
-            op = out_ptr + slot.to(tl.int64)[None, :] * N + rn[:, None]
-            tl.store(op, res.to(out_ptr.dtype.element_ty), mask=rvalid[None, :])
+                    acc_u = tl.dot(_dequant(wu, su, dt, asm), a, acc_u)
+        if GATED:
+            res = acc / (1.0 + tl.exp(-acc)) * acc_u
         else:
-            if GATED:
-                res = acc / (1.0 + tl.exp(-acc)) * acc_u
-            else:
-                res = acc * tl.load(tw_ptr + slot, mask=rvalid, other=0.0)[:, None]
-            op = out_ptr + slot.to(tl.int64)[:, None] * N + rn[None, :]
-            tl.store(op, res.to(out_ptr.dtype.element_ty), mask=rvalid[:, None])
+            res = acc * tl.load(tw_ptr + slot, mask=rvalid, other=0.0)[None, :]
+        op = out_ptr + slot.to(tl.int64)[None, :] * N + rn[:, None]
+        tl.store(op, res.to(out_ptr.dtype.element_ty), mask=xm)
 
 
 def align(topk_ids: Tensor, experts: int, bm: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
@@ -246,16 +213,18 @@ def align(topk_ids: Tensor, experts: int, bm: int) -> tuple[Tensor, Tensor, Tens
 
 def _launch(a: Tensor, wq: Tensor, ws: Tensor, out: Tensor, tw: Tensor, al: tuple, n: int, k: int,
             a_rows_per_slot: int, gated: bool, cfg: Config) -> None:
-    bm, bn, bk, warps, stages, expand, swap = cfg
-    if expand in (2, 4) and (a.dtype != torch.bfloat16 or not a.is_cuda):
-        expand -= 1  # the PTX dequant is bf16-only and cannot run under the interpreter
+    bm, bn, bk, warps, stages, expand = cfg
     bn, bk = min(bn, n), min(bk, k)
+    if expand % 2 == 0 and (a.dtype != torch.bfloat16 or not a.is_cuda):
+        expand -= 1  # the PTX dequant is bf16-only and cannot run under the interpreter
+    if expand >= 3 and bk < 128 and a.is_cuda:
+        expand -= 2  # plane dots need K >= 16 per plane on the GPU
     if n % bn or k % bk or bk % 32:
         raise ValueError(f"moe_w4a16: N={n}, K={k} do not tile by BN={bn}, BK={bk}")
     slots, seg, cnt, bexp, bms, ub = al
     _moe_gemm[(ub, n // bn)](a, wq, ws, out, tw, slots, seg, cnt, bexp, bms, n, k, wq.shape[0],
                              a_rows_per_slot, wq.shape[1], GATED=gated, BM=bm, BN=bn, BK=bk,
-                             EXPAND=expand, SWAP=swap, num_warps=warps, num_stages=stages)
+                             EXPAND=expand, num_warps=warps, num_stages=stages)
 
 
 def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor,
