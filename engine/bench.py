@@ -1,22 +1,26 @@
 """`python -m engine.bench`: run one suite on this host and write Arrow results as points complete.
 
     python -m engine.bench --suite kernels|e2e|comm --profile smoke|full --host NAME --out DIR
-                           [--run-id ID] [--payload-hash H] [--device auto|cuda|cpu] [--layers N]
+                           [--run-id ID] [--payload-hash H] [--device auto|cuda|cpu]
+                           [--layers N] [--vocab V] [--accept LEVEL]      (e2e only)
 
 Writes DIR/<suite>.arrow and DIR/runs.arrow after every point (status "partial" until the suite
 ends) plus DIR/manifest.json, and prints one `KDBENCH {json}` line per point and one at the end.
-Exit 0 when done, 2 on bad usage or device, 143/130 when stopped by SIGTERM/SIGINT (files stay
+Exit 0 when done, 1 when a point failed (the others still run; status "partial", failures in
+the runs note), 2 on bad usage or device, 143/130 when stopped by SIGTERM/SIGINT (files stay
 readable, status "partial").
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -25,7 +29,7 @@ from engine.env import UsageError, facts, fail, now_iso, pick_device
 from engine.results import SuiteWriter, Terminated, install_signal_handlers
 from engine.timing import copy_gbps, matmul_tflops
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -41,13 +45,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     ap.add_argument("--layers", type=int, help="e2e: target layers (default: profile's, k2 uses 2)")
     ap.add_argument("--vocab", type=int, help="e2e: smaller lm-head vocab if memory demands (recorded)")
+    ap.add_argument("--accept", type=float, help="e2e: synthetic acceptance level of the steered drafter, 0..1 "
+                                                 "(default 0.8; recorded as synthetic_accept)")
     a = ap.parse_args(argv)
     a.run_id = a.run_id or f"{a.host}-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}"
     for flag, v in (("--host", a.host), ("--run-id", a.run_id), ("--payload-hash", a.payload_hash)):
         if v is not None and not _NAME.match(v):
-            raise UsageError(f"{flag} {v!r}: use letters, digits, '.', '_', '-' (at most 128)")
+            raise UsageError(f"{flag} {v!r}: use letters, digits and . _ : + - (at most 128, no leading symbol)")
     if a.layers is not None and a.layers < 1:
         raise UsageError(f"--layers must be >= 1, got {a.layers}")
+    if a.vocab is not None and a.vocab < 2:
+        raise UsageError(f"--vocab must be >= 2, got {a.vocab}")
+    if a.accept is not None and not 0.0 <= a.accept <= 1.0:
+        raise UsageError(f"--accept must be within 0..1, got {a.accept}")
     return a
 
 
@@ -70,12 +80,15 @@ def run_suite(a: argparse.Namespace, device: torch.device, prov: dict) -> int:
                    "bytes": 0, "status": "skipped", "skip_reason": reason})
             w.finish("skipped", reason)
             return 0
-        return _loop(w, [(f"{i}", None) for i in range(n)], lambda on: bench_comm.run(a.profile, on))
+        return _loop(w, [], lambda on: bench_comm.run(a.profile, on))
     if a.suite == "kernels":
         kb = bench_kernels.KernelBench(bench_kernels.PROFILES[key], device)
         points, note = kb.points(), f"kernels at {kb.p.cfg.name} shapes, {str(kb.dtype).removeprefix('torch.')}"
     else:
-        eb = bench_e2e.E2EBench(bench_e2e.PROFILES[key], device, layers=a.layers, vocab=a.vocab)
+        prof = bench_e2e.PROFILES[key]
+        if a.accept is not None:
+            prof = dataclasses.replace(prof, level=a.accept)
+        eb = bench_e2e.E2EBench(prof, device, layers=a.layers, vocab=a.vocab)
         points, note = eb.points(), eb.note()
     if device.type == "cpu":
         note += "; CPU timings (perf_counter), matmul_tflops is float32"
@@ -84,7 +97,8 @@ def run_suite(a: argparse.Namespace, device: torch.device, prov: dict) -> int:
     return _loop(w, points, None)
 
 
-def _loop(w: SuiteWriter, points: list, driver) -> int:
+def _loop(w: SuiteWriter, points: list[tuple[str, Callable[[], dict]]],
+          driver: Callable[[Callable[[dict], None]], None] | None) -> int:
     """Run the points (or let `driver` push rows), writing each as it completes.
 
     A failing point is reported and skipped (the suite ends "partial" with the failures in its

@@ -47,8 +47,8 @@ class DecodeResult:
     decode_s: float = 0.0  # wall time of the step loop
     step_s: list[float] = field(default_factory=list)
     stage_s: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
-    accept_len: list[list[int]] = field(default_factory=list)  # per step, per sequence
-    emitted: list[list[int]] = field(default_factory=list)  # tokens each sequence got per step
+    accept_len: list[list[int]] = field(default_factory=list)  # per step, per unfinished sequence
+    emitted: list[list[int]] = field(default_factory=list)  # tokens each unfinished sequence got per step
 
 
 class Oracle:
@@ -150,12 +150,12 @@ class Decoder:
             generated += (acc + 1) * active
             acc_l, emitted_l, bonus_l = acc.tolist(), emitted.tolist(), bonus.tolist()
             res.stage_s["accept"].append(clock.lap())
-            for b in range(bt):
-                if len(out[b]) < max_new:
-                    out[b] += emitted_l[b][1: acc_l[b] + 1] + [bonus_l[b]]
+            live = [b for b in range(bt) if len(out[b]) < max_new]
+            for b in live:
+                out[b] += emitted_l[b][1: acc_l[b] + 1] + [bonus_l[b]]
             active = torch.tensor([int(len(o) < max_new) for o in out], dtype=torch.int64, device=dev)
-            res.accept_len.append(acc_l)
-            res.emitted.append([a + 1 for a in acc_l])
+            res.accept_len.append([acc_l[b] for b in live])
+            res.emitted.append([acc_l[b] + 1 for b in live])
             res.step_s.append(clock.lap() + sum(res.stage_s[s][-1] for s in STAGES))
         res.decode_s = clock.t - start
         res.tokens = [o[:max_new] for o in out]

@@ -33,7 +33,7 @@ def _mla_split(qn_ptr, qr_ptr, ckv_ptr, kpe_ptr, ctx_ptr, mask_ptr, o_ptr, lse_p
     t = pid_bt % T
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
     start = pid_s * chunk
-    end = tl.minimum(start + chunk, ctx + T)
+    end = tl.minimum(tl.minimum(start + chunk, ctx + T), S)  # the tree sits inside the cache
     rh = tl.arange(0, BH)
     hmask = rh < Hh
     rdl = tl.arange(0, DL)
@@ -135,11 +135,6 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
         _mla_combine[(bt * t * hh, dl // bd)](part, lse, out, hh, n_splits, DL=dl, BD=bd,
                                               NSP=triton.next_power_of_2(n_splits), num_warps=4)
     return out
-
-
-def latent_bytes(ctx_lens_total: int, dl: int, dr: int, elem: int = 2) -> int:
-    """Bytes of latent cache a verify step must read at least once (for the bandwidth floor)."""
-    return ctx_lens_total * (dl + dr) * elem
 
 
 def flops(bt: int, t: int, hh: int, ctx: int, dl: int, dr: int) -> float:

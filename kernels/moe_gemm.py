@@ -18,13 +18,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# (BM, BN, BK, num_warps, num_stages, EXPAND) per kernel, by tokens per expert: the fastest
-# verified config of the H200 sweep (kernels/NOTES.md, run 3).
-Config = tuple[int, int, int, int, int, int]
+# (BM, BN, BK, num_warps, num_stages, EXPAND, PREFETCH) per kernel, by tokens per expert: the
+# fastest verified config of the H200 sweep (kernels/NOTES.md, run 3).
+Config = tuple[int, int, int, int, int, int, int]
 CONFIGS: dict[str, dict[str, Config]] = {
-    "decode": {"gate_up": (16, 64, 128, 4, 4, 1), "down": (16, 64, 128, 4, 4, 1)},
-    "mid": {"gate_up": (32, 128, 128, 4, 3, 4), "down": (32, 128, 128, 4, 3, 4)},
-    "large": {"gate_up": (32, 64, 256, 4, 4, 4), "down": (32, 64, 256, 4, 4, 4)},
+    "decode": {"gate_up": (16, 64, 128, 4, 4, 1, 0), "down": (16, 64, 128, 4, 4, 1, 0)},
+    "mid": {"gate_up": (32, 128, 128, 4, 3, 4, 0), "down": (32, 128, 128, 4, 3, 4, 0)},
+    "large": {"gate_up": (32, 64, 256, 4, 4, 4, 0), "down": (32, 64, 256, 4, 4, 4, 0)},
 }
 
 
@@ -124,7 +124,7 @@ def _plane_dots(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, acc, dtype: tl.co
 def _moe_gemm(a_ptr, wq_ptr, ws_ptr, out_ptr, tw_ptr, slots_ptr, seg_ptr, cnt_ptr, bexp_ptr, bms_ptr,
               N, K, E, a_rows_per_slot, w_rows,
               GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              EXPAND: tl.constexpr):
+              EXPAND: tl.constexpr, PREFETCH: tl.constexpr):
     """One (token block of one expert, BN columns) tile over all of K, computed transposed
     (weights are the MMA's M side, the few tokens its N side).
 
@@ -133,6 +133,7 @@ def _moe_gemm(a_ptr, wq_ptr, ws_ptr, out_ptr, tw_ptr, slots_ptr, seg_ptr, cnt_pt
     a rows are indexed by slot // a_rows_per_slot (x is per token, h is per slot).
     EXPAND 1 / 2: dequantize to [BN, BK] (fp32 / PTX planes, interleaved) and one dot;
     EXPAND 3 / 4: eight plane dots against the matching strided activations (K permuted).
+    PREFETCH loads each step's scales one step ahead (see NOTES.md: not yet timed).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -159,13 +160,27 @@ def _moe_gemm(a_ptr, wq_ptr, ws_ptr, out_ptr, tw_ptr, slots_ptr, seg_ptr, cnt_pt
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
         dt = a_ptr.dtype.element_ty
         asm = EXPAND % 2 == 0
-        for k0 in range(0, K, BK):
-            wg = tl.load(wq + k0 // 8)
-            sg = tl.load(ws + k0 // 32)
+        su_off = N * (K // 32)
+        if PREFETCH:  # scales are 2-byte loads the pipeliner leaves in the loop: fetch one step ahead
+            sg_next = tl.load(ws)
             if GATED:
-                wu = tl.load(wq + N * (K // 8) + k0 // 8)
-                su = tl.load(ws + N * (K // 32) + k0 // 32)
+                su_next = tl.load(ws + su_off)
+        for k0 in range(0, K, BK):
+            if PREFETCH:
+                more = k0 + BK < K
+                sg = sg_next
+                sg_next = tl.load(ws + (k0 + BK) // 32, mask=more, other=0.0)
+                if GATED:
+                    su = su_next
+                    su_next = tl.load(ws + su_off + (k0 + BK) // 32, mask=more, other=0.0)
             if EXPAND >= 3:
+                wg = tl.load(wq + k0 // 8)
+                if not PREFETCH:
+                    sg = tl.load(ws + k0 // 32)
+                if GATED:
+                    wu = tl.load(wq + N * (K // 8) + k0 // 8)
+                    if not PREFETCH:
+                        su = tl.load(ws + su_off + k0 // 32)
                 x0 = tl.load(ap + k0 + 0, mask=xm, other=0.0)
                 x1 = tl.load(ap + k0 + 1, mask=xm, other=0.0)
                 x2 = tl.load(ap + k0 + 2, mask=xm, other=0.0)
@@ -178,10 +193,19 @@ def _moe_gemm(a_ptr, wq_ptr, ws_ptr, out_ptr, tw_ptr, slots_ptr, seg_ptr, cnt_pt
                 if GATED:
                     acc_u = _plane_dots(wu, su, x0, x1, x2, x3, x4, x5, x6, x7, acc_u, dt, asm)
             else:
-                a = tl.load(ap + k0, mask=xm, other=0.0)
-                acc = tl.dot(_dequant(wg, sg, dt, asm), a, acc)
+                wg = tl.load(wq + k0 // 8)
+                if not PREFETCH:
+                    sg = tl.load(ws + k0 // 32)
+                w = _dequant(wg, sg, dt, asm)
                 if GATED:
-                    acc_u = tl.dot(_dequant(wu, su, dt, asm), a, acc_u)
+                    wu = tl.load(wq + N * (K // 8) + k0 // 8)
+                    if not PREFETCH:
+                        su = tl.load(ws + su_off + k0 // 32)
+                    wu = _dequant(wu, su, dt, asm)
+                a = tl.load(ap + k0, mask=xm, other=0.0)
+                acc = tl.dot(w, a, acc)
+                if GATED:
+                    acc_u = tl.dot(wu, a, acc_u)
         if GATED:
             res = acc / (1.0 + tl.exp(-acc)) * acc_u
         else:
@@ -196,7 +220,7 @@ def align(topk_ids: Tensor, experts: int, bm: int) -> tuple[Tensor, Tensor, Tens
     Returns sorted slots, per-expert segment start and count, per-block expert (== experts for
     unused blocks) and start row, and the host-known upper bound on the number of blocks.
     """
-    flat = topk_ids.reshape(-1)
+    flat = topk_ids.reshape(-1).to(torch.int64)
     s = flat.numel()
     slots = torch.argsort(flat, stable=True).to(torch.int32)
     counts = torch.zeros(experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
@@ -213,7 +237,7 @@ def align(topk_ids: Tensor, experts: int, bm: int) -> tuple[Tensor, Tensor, Tens
 
 def _launch(a: Tensor, wq: Tensor, ws: Tensor, out: Tensor, tw: Tensor, al: tuple, n: int, k: int,
             a_rows_per_slot: int, gated: bool, cfg: Config) -> None:
-    bm, bn, bk, warps, stages, expand = cfg
+    bm, bn, bk, warps, stages, expand, prefetch = cfg
     bn, bk = min(bn, n), min(bk, k)
     if expand % 2 == 0 and (a.dtype != torch.bfloat16 or not a.is_cuda):
         expand -= 1  # the PTX dequant is bf16-only and cannot run under the interpreter
@@ -224,7 +248,8 @@ def _launch(a: Tensor, wq: Tensor, ws: Tensor, out: Tensor, tw: Tensor, al: tupl
     slots, seg, cnt, bexp, bms, ub = al
     _moe_gemm[(ub, n // bn)](a, wq, ws, out, tw, slots, seg, cnt, bexp, bms, n, k, wq.shape[0],
                              a_rows_per_slot, wq.shape[1], GATED=gated, BM=bm, BN=bn, BK=bk,
-                             EXPAND=expand, num_warps=warps, num_stages=stages)
+                             EXPAND=expand, PREFETCH=prefetch, num_warps=warps,
+                             num_stages=stages)
 
 
 def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor,

@@ -86,14 +86,10 @@ def test_e2e_rows_split_each_step(smoke_dir):
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["steps"] > 0 and 0 <= r["accept_len_mean"]
         assert 0 < r["synthetic_accept"] <= 1
-        parts = sum(r[k] for k in ("draft_ms", "tree_build_ms", "verify_ms", "accept_ms", "other_ms"))
-        assert parts == pytest.approx(statistics_mean_step(r), rel=0.5)
+        assert min(r[k] for k in ("draft_ms", "tree_build_ms", "verify_ms", "accept_ms")) > 0
+        assert r["other_ms"] >= 0 and r["comm_ms"] == 0
         assert r["step_ms_p50"] <= r["step_ms_p99"] and r["itl_ms_p50"] <= r["itl_ms_p99"]
-
-
-def statistics_mean_step(r: dict) -> float:
-    """The stages sum to the mean step, which sits near the median step."""
-    return r["step_ms_p50"]
+        assert r["ttft_ms"] > 0
 
 
 def test_comm_skipped_on_cpu_with_reason(smoke_dir):

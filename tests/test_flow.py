@@ -199,18 +199,18 @@ def test_fleet_runs_hosts_in_parallel(world: dict, measured: subprocess.Complete
 
 
 def test_timed_out_bench_leaves_a_partial_run(world: dict, measured: subprocess.CompletedProcess) -> None:
-    """The full kernels sweep takes minutes on a CPU; a 12 s limit kills it mid-way."""
+    """The full e2e sweep takes minutes on a CPU (the full kernel sweep ~10 s): a 15 s limit per
+    suite kills one of them mid-way, and what it measured is still pulled and ingested."""
     before = {r.run_id for r in Store(str(world["artifacts"])).runs("pro6000")}
-    res = deployment_run(world, "bench/pro6000", "--params",
-                         json.dumps({"profile": "full", "bench_timeout_s": 12}))
+    res = deployment_run(world, "bench/pro6000", "--params", json.dumps(
+        {"profile": "full", "suites": ["kernels", "e2e"], "bench_timeout_s": 15}))
     _ok(res)
     new = [r for r in Store(str(world["artifacts"])).runs("pro6000") if r.run_id not in before]
     assert [(r.source, r.status) for r in new] == [("measured", "partial")]
     tables = Store(str(world["artifacts"])).load("pro6000", new[0].run_id)
     assert tables["kernels"].num_rows > 0
-    assert {r["status"] for r in tables["runs"].to_pylist()} == {"partial"}
-    summary = _artifact(world, "bench-pro6000")
-    assert "timeout" in summary
+    assert "partial" in {r["status"] for r in tables["runs"].to_pylist()}
+    assert "timeout" in _artifact(world, "bench-pro6000")
 
 
 def _projected(world: dict, host: str) -> None:

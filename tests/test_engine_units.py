@@ -1,0 +1,57 @@
+"""Small pure pieces of the engine against plain math: configs, expected experts, percentiles, arch checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.bench_kernels import expected_experts
+from engine.config import K2, make_config
+from engine.env import UsageError, check_arch, pick_device
+from engine.timing import percentile, time_op
+
+
+def test_k2_config_has_kimi_k2_per_layer_dims():
+    c = K2
+    assert (c.hidden, c.heads, c.q_lora, c.kv_lora, c.rope_dim, c.nope_dim, c.v_dim) == (7168, 64, 1536, 512, 64, 128, 128)
+    assert (c.experts, c.top_k, c.moe_inter, c.shared_experts, c.vocab, c.layers) == (384, 8, 2048, 1, 163840, 61)
+    short = make_config("k2", layers=2, vocab=32768)
+    assert (short.layers, short.vocab, short.hidden) == (2, 32768, 7168)
+    with pytest.raises(ValueError, match="unknown config"):
+        make_config("k3")
+
+
+def test_expected_experts_matches_k2_table():
+    want = {1: 8, 4: 31, 8: 59.5, 16: 110, 32: 188, 64: 284, 128: 358, 256: 382}
+    for m, e in want.items():
+        assert expected_experts(384, 8, m) == pytest.approx(e, abs=0.6)
+
+
+def test_percentile_matches_numpy():
+    xs = list(np.random.default_rng(0).random(37))
+    for q in (0, 10, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_time_op_on_cpu_counts_repeats():
+    calls = []
+    t = time_op(lambda: calls.append(1), torch.device("cpu"), repeats=7, warmup=2)
+    assert len(calls) == 9 and t.repeats == 7 and not t.graph
+    assert 0 <= t.p10_us <= t.p50_us <= t.p90_us
+
+
+def test_arch_and_device_checks():
+    cpu = {"device": "cpu", "arch_found": "cpu", "gpu_name": None}
+    h200 = {"device": "cuda", "arch_found": "sm_90", "gpu_name": "NVIDIA H200"}
+    check_arch("cpu", cpu)
+    check_arch("sm_90", h200)
+    with pytest.raises(UsageError, match="no CUDA GPU"):
+        check_arch("sm_100", cpu)
+    with pytest.raises(UsageError, match="does not match.*sm_90"):
+        check_arch("sm_120", h200)
+    with pytest.raises(UsageError, match="does not match"):
+        check_arch("cpu", h200)
+    assert pick_device("auto", cpu).type == "cpu"
+    with pytest.raises(UsageError, match="no CUDA GPU"):
+        pick_device("cuda", cpu)

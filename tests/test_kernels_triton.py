@@ -1,0 +1,192 @@
+"""Triton kernels against their references on the CPU, through Triton's interpreter, in fp16.
+
+TRITON_INTERPRET must be set before Triton compiles anything, and other test modules import Triton
+too, so the kernel tests run in a child pytest with the variable set; in the parent they skip and
+`test_kernels_under_interpreter` carries their result. Shapes are tiny: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+inner = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_under_interpreter's child")
+
+
+def _numpy_scalar_index_compat() -> None:
+    """Triton 3.6's interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses."""
+    import triton.runtime.interpreter as ti
+
+    orig = ti._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:  # noqa: ANN001 - Triton's own internals
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    ti._patch_lang_tensor = patched
+
+
+if INTERPRETED:
+    _numpy_scalar_index_compat()
+
+
+def test_kernels_under_interpreter() -> None:
+    if INTERPRETED:
+        pytest.skip("this is the child run")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                        "-k", "not test_kernels_under_interpreter"],
+                       env=env, capture_output=True, text=True, timeout=540)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "unwritten (poisoned) or non-finite output"
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+@inner
+@pytest.mark.parametrize("m,expand,prefetch", [(1, 1, 0), (5, 1, 1), (7, 3, 1)])
+def test_moe_matches_reference(m: int, expand: int, prefetch: int) -> None:
+    from kernels import moe_gemm, reference
+    from kernels.gpu_check import poisoned, unpoisoned
+    from kernels.int4 import quantize_w4
+
+    g = torch.Generator().manual_seed(100 + m)
+    e, h, inter, k = 8, 256, 128, 3
+    w13 = quantize_w4(torch.randn(e, 2 * inter, h, generator=g) * 0.1)
+    w2 = quantize_w4(torch.randn(e, h, inter, generator=g) * 0.1)
+    x = torch.randn(m, h, generator=g).half()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)])
+    wts = torch.rand(m, k, generator=g)
+    cfg = (16, 32, 128, 4, 1, expand, prefetch)
+    poisoned(moe_gemm)
+    try:
+        out = moe_gemm.moe_w4a16(x, *w13, *w2, ids, wts, configs={"gate_up": cfg, "down": cfg})
+    finally:
+        unpoisoned(moe_gemm)
+    assert out.dtype == torch.float16 and out.shape == (m, h)
+    assert _rel(out, reference.moe_w4a16(x, *w13, *w2, ids, wts)) < 1e-2
+
+
+@inner
+def test_moe_alignment_blocks() -> None:
+    from kernels.moe_gemm import align
+
+    ids = torch.tensor([[3, 1], [3, 0], [1, 3], [3, 2]])
+    slots, seg, cnt, bexp, bms, ub = align(ids, 5, 2)
+    assert cnt.tolist() == [1, 2, 1, 4, 0] and seg.tolist() == [0, 1, 3, 4, 8]
+    assert slots.tolist() == [3, 1, 4, 7, 0, 2, 5, 6]  # stable: slots of expert 0, 1, 2, 3 in order
+    assert ub == 4 + 5
+    # blocks: e0 [0], e1 [0], e2 [0], e3 [0, 2], then unused (expert id == 5)
+    assert bexp.tolist() == [0, 1, 2, 3, 3, 5, 5, 5, 5] and bms.tolist()[:5] == [0, 0, 0, 0, 2]
+
+
+@inner
+@pytest.mark.parametrize("t,splits", [(5, None), (5, 3), (1, None), (1, 1)])
+def test_mla_matches_reference(t: int, splits: int | None) -> None:
+    from kernels import mla_verify, reference
+    from kernels.gpu_check import poisoned, unpoisoned
+
+    g = torch.Generator().manual_seed(7 + t)
+    bt, hh, dl, dr, s = 2, 4, 32, 16, 48
+    qn = torch.randn(bt, t, hh, dl, generator=g).half()
+    qr = torch.randn(bt, t, hh, dr, generator=g).half()
+    ckv = torch.randn(bt, s, dl, generator=g).half()
+    kpe = torch.randn(bt, s, dr, generator=g).half()
+    ctx = torch.tensor([9, s - t])  # a short prefix and a full cache
+    parents = torch.tensor([[-1, 0, 0, 1, 2][:t]] * bt)
+    mask = reference.ancestor_mask(parents)
+    poisoned(mla_verify)
+    try:
+        out = mla_verify.mla_tree_attention(qn, qr, ckv, kpe, ctx, mask, 0.2, config={"BN": 16}, splits=splits)
+    finally:
+        unpoisoned(mla_verify)
+    assert _rel(out, reference.mla_tree_attention(qn, qr, ckv, kpe, ctx, mask, 0.2)) < 1e-2
+
+
+def _draft(bt: int, length: int, k: int, seed: int, ties: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lp = F.log_softmax(torch.randn(bt, length, 40, generator=g) * 2, -1).topk(k, -1).values
+    if ties:
+        lp = ((lp * 2).round() / 2).sort(-1, descending=True).values
+    return lp.contiguous(), torch.randint(0, 5000, (bt, length, k), generator=g)
+
+
+@inner
+@pytest.mark.parametrize("length,k,budget,ties", [(4, 3, 20, False), (6, 4, 60, True), (3, 2, 14, False)])
+def test_tree_build_is_the_cpu_heap(length: int, k: int, budget: int, ties: bool) -> None:
+    from kernels import reference, tree_build
+    from kernels.gpu_check import poisoned, unpoisoned
+
+    lp, tok = _draft(3, length, k, budget, ties)
+    root = torch.tensor([11, 12, 13])
+    want = reference.build_tree(lp, tok, root, budget)
+    poisoned(tree_build)
+    try:
+        got = tree_build.build_tree(lp, tok, root, budget)
+    finally:
+        unpoisoned(tree_build)
+    for field in ("tokens", "parents", "depths", "scores", "mask"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert got.draft_len == want.draft_len == length
+
+
+@inner
+def test_tree_build_refuses_what_it_cannot_build() -> None:
+    from kernels import tree_build
+
+    lp, tok = _draft(1, 2, 2, 0, False)
+    with pytest.raises(ValueError, match="budget"):
+        tree_build.build_tree(lp, tok, torch.tensor([0]), 7)
+    with pytest.raises(ValueError, match="63-bit"):
+        tree_build.key_bits(4096, 64, 64)
+
+
+@inner
+def test_tree_accept_matches_walk() -> None:
+    from kernels import reference, tree_accept
+    from kernels.gpu_check import poisoned, unpoisoned
+
+    lp, tok = _draft(4, 5, 3, 3, False)
+    tree = reference.build_tree(lp, tok, torch.zeros(4, dtype=torch.int64), 30)
+    g = torch.Generator().manual_seed(5)
+    am = torch.randint(0, 5000, (4, 31), generator=g)
+    steps = []
+    for b in range(4):  # follow the best child for b + 1 steps, then miss for sure (no token is < 0)
+        cur, n = 0, 0
+        for _ in range(b + 1):
+            kids = (tree.parents[b] == cur).nonzero().flatten()
+            if kids.numel() == 0:
+                break
+            am[b, cur] = tree.tokens[b, kids[0]]
+            cur, n = int(kids[0]), n + 1
+        am[b, cur] = -5
+        steps.append(n)
+    poisoned(tree_accept)
+    try:
+        got = tree_accept.tree_accept(tree, am)
+    finally:
+        unpoisoned(tree_accept)
+    want = reference.tree_accept(tree, am)
+    for a, w in zip(got, want):
+        assert torch.equal(a, w)
+    assert want[1].tolist() == steps and want[2].tolist() == [-5] * 4
+
+
+def test_auto_dispatch_is_the_reference_on_cpu() -> None:
+    from kernels import ops
+
+    x = torch.zeros(1, 8)
+    assert ops._pick("auto", "moe_gemm", x) is None
+    assert ops._pick("torch", "moe_gemm", x) is None
+    assert ops._pick("triton", "mla_verify", x) is ops.triton_module("mla_verify")
+    with pytest.raises(ValueError):
+        ops._pick("cuda", "moe_gemm", x)  # type: ignore[arg-type]
