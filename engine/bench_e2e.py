@@ -50,7 +50,13 @@ def prompts_for(cfg: ModelConfig, n: int, lengths: tuple[int, int], seed: int = 
 
 
 def summarise(res: DecodeResult) -> Row:
-    """Throughput, latency percentiles and the stage split of one measured decode."""
+    """Throughput, latency percentiles and the stage split of one measured decode.
+
+    tokens/s: tokens after each sequence's first, over the step loop's wall time (all sequences).
+    TTFT: mean over sequences of the time to their first token (prefill runs one sequence at a
+    time). ITL: a step's time divided by the tokens it gave a sequence, over all steps and
+    sequences. Stage columns are per-step means; other = mean step - the named stages.
+    """
     steps = len(res.step_s)
     new = sum(len(t) - 1 for t in res.tokens)  # tokens after the first (which prefill produced)
     itl = [res.step_s[i] / e for i, em in enumerate(res.emitted) for e in em]

@@ -42,7 +42,19 @@ def _summary(us: list[float], graph: bool) -> Timing:
 
 
 def _try_graph(fn: Callable[[], object], device: torch.device) -> "torch.cuda.CUDAGraph | None":
-    """Capture fn in a CUDA graph, or None when it cannot be captured (host syncs, CPU work)."""
+    """Capture fn in a CUDA graph, or None when it cannot be captured (host syncs, CPU work).
+
+    A dry run under sync-debug "error" first: an op that waits on the host is never captured,
+    so a failed capture never has to be cleaned up.
+    """
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError:
+        return None
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
     try:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))

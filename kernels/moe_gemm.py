@@ -9,6 +9,12 @@ kernel a stream over the unique experts' packed weights.
   gate_up: h[slot] = silu(x[tok] . gate_e) * (x[tok] . up_e)          (SiLU x up in the epilogue)
   down:    y[slot] = topk_weight[slot] * (h[slot] . W2_e)             (routing weight in the epilogue)
   out[m]   = sum_j y[m*k + j]
+
+Decode (at most SPLIT_MAX_SLOTS token-expert slots) takes the split-K path instead: every program
+finds its (expert, <= BM slots) block itself from topk_ids in registers (no alignment launches), then
+streams one [BN rows, KS of K] chunk of that expert's weights: thousands of programs each reading a
+contiguous 32-64 KB, fp32 partial sums per K split, combined by two tiny kernels (SiLU x up after
+gate_up; routing-weighted sum over splits and top-k after down). Four launches in all, no host sync.
 """
 
 from __future__ import annotations
@@ -253,15 +259,19 @@ def _launch(a: Tensor, wq: Tensor, ws: Tensor, out: Tensor, tw: Tensor, al: tupl
 
 
 def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor,
-              topk_ids: Tensor, topk_weights: Tensor, configs: dict | None = None) -> Tensor:
-    """Triton MoE; `configs` overrides CONFIGS[regime] (the GPU check's tuning sweep uses it)."""
+              topk_ids: Tensor, topk_weights: Tensor, configs: dict | None = None,
+              split: bool | None = None) -> Tensor:
+    """Triton MoE. `split` picks the split-K decode path (default: M * top-k <= SPLIT_MAX_SLOTS);
+    `configs` overrides the path's config (SPLIT_CONFIGS / CONFIGS[regime]; the GPU sweep uses it)."""
     m, h = x.shape
     e, two_i, _ = w13_q.shape
     inter = two_i // 2
     topk = topk_ids.shape[1]
-    cfg = configs or CONFIGS[regime(m, topk, e)]
     x = x.contiguous()
     tw = topk_weights.reshape(-1).float().contiguous()
+    if split if split is not None else m * topk <= SPLIT_MAX_SLOTS:
+        return _moe_split(x, w13_q, w13_s, w2_q, w2_s, topk_ids, tw, configs or split_config(m))
+    cfg = configs or CONFIGS[regime(m, topk, e)]
     hbuf = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)
     ybuf = torch.empty(m * topk, h, dtype=x.dtype, device=x.device)
     al = align(topk_ids, e, cfg["gate_up"][0])
@@ -270,3 +280,169 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
         al = align(topk_ids, e, cfg["down"][0])
     _launch(hbuf, w2_q, w2_s, ybuf, tw, al, h, inter, 1, False, cfg["down"])
     return ybuf.view(m, topk, h).sum(1)
+
+
+# ----------------------------------------------------------------------------- decode: split-K
+
+# (BM, BN, BK, KS, num_warps, num_stages, DOT) per kernel, by the largest M of the bucket.
+# BM slots per block (DOT pads them to 16 for tl.dot), BN weight rows, BK of K per step, KS of K per
+# program; DOT 0: FMA GEMV (fp32 planes, sum over K once at the end), 1: plane dots on the MMA units.
+SplitConfig = tuple[int, int, int, int, int, int, int]
+SPLIT_MAX_SLOTS = 128  # M * top-k up to this goes split-K (M <= 16 at K2's top-8)
+SPLIT_CONFIGS: dict[int, dict[str, SplitConfig]] = {
+    16: {"gate_up": (1, 64, 256, 1024, 4, 3, 0), "down": (1, 64, 256, 1024, 4, 3, 0)},
+}
+
+
+def split_config(m: int) -> dict[str, SplitConfig]:
+    """The config of the smallest M bucket that holds m."""
+    return SPLIT_CONFIGS[min((b for b in SPLIT_CONFIGS if b >= m), default=max(SPLIT_CONFIGS))]
+
+
+@triton.jit
+def _block_slots(ids_ptr, b, S, BM: tl.constexpr, SP: tl.constexpr):
+    """Block b of the slots grouped by expert, from topk_ids alone: slot s is a leader when its rank
+    among earlier slots of its expert is a multiple of BM; block b = the (b+1)-th leader and the
+    next BM - 1 slots of its expert. Returns (expert or -1 when there is no block b, slots, valid)."""
+    s = tl.arange(0, SP)
+    live = s < S
+    ids = tl.load(ids_ptr + s, mask=live, other=-1).to(tl.int32)
+    same_before = (ids[:, None] == ids[None, :]) & (s[None, :] < s[:, None])
+    rank = tl.sum(same_before.to(tl.int32), axis=1)
+    leader = live & (rank % BM == 0)
+    hit = leader & (tl.cumsum(leader.to(tl.int32), axis=0) == b + 1)
+    e = tl.max(tl.where(hit, ids, -1), axis=0)
+    r0 = tl.max(tl.where(hit, rank, 0), axis=0)
+    j = tl.arange(0, BM)
+    member = live[None, :] & (ids[None, :] == e) & (rank[None, :] == r0 + j[:, None])
+    slot = tl.sum(tl.where(member, s[None, :], 0), axis=1)
+    valid = tl.sum(member.to(tl.int32), axis=1) > 0
+    return e, slot, valid
+
+
+@triton.jit
+def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_rows_per_slot,
+                WEIGHTED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                KS: tl.constexpr, SP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
+    """part[split, slot, n] = a[row(slot), chunk] . W_e[n, chunk] (x routing weight if WEIGHTED) for
+    one (block, BN rows, KS chunk of K). Words load as [BN, BK/8] (BK/2 contiguous bytes a row),
+    scales as [BN, BK/32] once per step and broadcast to their 4 words in registers."""
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    e, slot, valid = _block_slots(ids_ptr, b, S, BM, SP)
+    if e >= 0:
+        W: tl.constexpr = BK // 8
+        G: tl.constexpr = BK // 32
+        arow = (slot // a_rows_per_slot).to(tl.int64)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rw = tl.arange(0, W)
+        e64 = e.to(tl.int64)
+        kbeg = split * KS
+        wrow = e64 * N + rn
+        wq = wq_ptr + wrow[:, None] * (K // 8) + kbeg // 8 + rw[None, :]
+        ws = ws_ptr + wrow[:, None] * (K // 32) + kbeg // 32 + tl.arange(0, G)[None, :]
+        dt = a_ptr.dtype.element_ty
+        if DOT:
+            ap = a_ptr + arow[None, :] * K + kbeg + 8 * rw[:, None]  # [W, BM]: plane j = ap + j
+            xm = valid[None, :]
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            ap = a_ptr + arow[:, None] * K + kbeg + 8 * rw[None, :]  # [BM, W]
+            xm = valid[:, None]
+            acc3 = tl.zeros((BN, BM, W), dtype=tl.float32)
+        for k0 in range(0, KS, BK):
+            words = tl.load(wq + k0 // 8)
+            sc = tl.load(ws + k0 // 32)
+            sw = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, G, 4)), (BN, W))
+            if DOT:
+                x0 = tl.load(ap + k0 + 0, mask=xm, other=0.0)
+                x1 = tl.load(ap + k0 + 1, mask=xm, other=0.0)
+                x2 = tl.load(ap + k0 + 2, mask=xm, other=0.0)
+                x3 = tl.load(ap + k0 + 3, mask=xm, other=0.0)
+                x4 = tl.load(ap + k0 + 4, mask=xm, other=0.0)
+                x5 = tl.load(ap + k0 + 5, mask=xm, other=0.0)
+                x6 = tl.load(ap + k0 + 6, mask=xm, other=0.0)
+                x7 = tl.load(ap + k0 + 7, mask=xm, other=0.0)
+                acc = _plane_dots(words, sw, x0, x1, x2, x3, x4, x5, x6, x7, acc, dt, ASM)
+            else:  # unscaled integer planes times x, summed over the 8 planes, then one scale per word
+                t = tl.zeros((BN, BM, W), dtype=tl.float32)
+                for j in tl.static_range(8):
+                    xj = tl.load(ap + k0 + j, mask=xm, other=0.0).to(tl.float32)
+                    t += _nibble(words, j)[:, None, :] * xj[None, :, :]
+                acc3 += t * sw.to(tl.float32)[:, None, :]
+        if not DOT:
+            acc = tl.sum(acc3, axis=2)
+        if WEIGHTED:
+            acc = acc * tl.load(tw_ptr + slot, mask=valid, other=0.0)[None, :]
+        op = part_ptr + (split * S + slot).to(tl.int64)[None, :] * N + rn[:, None]
+        tl.store(op, acc, mask=valid[None, :])
+
+
+@triton.jit
+def _silu_mul(part_ptr, h_ptr, S, I, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """h[slot, c] = silu(gate) * up, gate / up = the gate_up partials summed over the K splits."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < S * I
+    row = offs // I
+    col = offs % I
+    g = tl.zeros((BLOCK,), dtype=tl.float32)
+    u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for sp in tl.static_range(SPLITS):
+        base = part_ptr + (sp * S + row).to(tl.int64) * (2 * I) + col
+        g += tl.load(base, mask=live, other=0.0)
+        u += tl.load(base + I, mask=live, other=0.0)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _sum_slots(part_ptr, out_ptr, M, S, N, TOPK: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = sum over K splits and the top-k slots of m of the (weighted) down partials."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < M * N
+    row = offs // N
+    col = offs % N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for sp in tl.static_range(SPLITS):
+        for j in tl.static_range(TOPK):
+            acc += tl.load(part_ptr + (sp * S + row * TOPK + j).to(tl.int64) * N + col, mask=live, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def _split_launch(a: Tensor, ids: Tensor, wq: Tensor, ws: Tensor, tw: Tensor, n: int, k: int,
+                  a_rows_per_slot: int, weighted: bool, cfg: SplitConfig) -> Tensor:
+    """fp32 partials [K / KS, slots, n] of one split-K pass."""
+    bm, bn, bk, ks, warps, stages, dot = cfg
+    bn, ks = min(bn, n), min(ks, k)
+    bk = min(bk, ks)
+    if dot:
+        bm = max(bm, 16)  # tl.dot needs 16 columns; the padding slots are masked
+    if n % bn or k % ks or ks % bk or bk % 32 or (dot and bk < 128 and a.is_cuda):
+        raise ValueError(f"moe_w4a16: N={n}, K={k} do not tile by BN={bn}, KS={ks}, BK={bk}")
+    s = ids.numel()
+    experts = wq.shape[0]
+    blocks = min(s, min(experts, s) + s // bm)  # leaders: one per BM slots of each expert
+    part = torch.empty(k // ks, s, n, dtype=torch.float32, device=a.device)
+    _moe_splitk[(blocks, n // bn, k // ks)](
+        a, ids, wq, ws, part, tw, s, n, k, a_rows_per_slot, WEIGHTED=weighted, BM=bm, BN=bn, BK=bk, KS=ks,
+        SP=max(16, triton.next_power_of_2(s)), DOT=dot,
+        ASM=bool(dot and a.dtype == torch.bfloat16 and a.is_cuda), num_warps=warps, num_stages=stages)
+    return part
+
+
+def _moe_split(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor, topk_ids: Tensor,
+               tw: Tensor, cfg: dict[str, SplitConfig]) -> Tensor:
+    m, h = x.shape
+    inter = w13_q.shape[1] // 2
+    topk = topk_ids.shape[1]
+    s = m * topk
+    ids = topk_ids.reshape(-1).contiguous()
+    gu = _split_launch(x, ids, w13_q, w13_s, tw, 2 * inter, h, topk, False, cfg["gate_up"])
+    hbuf = torch.empty(s, inter, dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_mul[(triton.cdiv(s * inter, block),)](gu, hbuf, s, inter, SPLITS=gu.shape[0], BLOCK=block)
+    dn = _split_launch(hbuf, ids, w2_q, w2_s, tw, h, inter, 1, True, cfg["down"])
+    out = torch.empty(m, h, dtype=x.dtype, device=x.device)
+    _sum_slots[(triton.cdiv(m * h, block),)](dn, out, m, s, h, TOPK=topk, SPLITS=dn.shape[0], BLOCK=block)
+    return out

@@ -24,7 +24,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from flows import sandbox as sandbox_mod
-from flows.inventory import load_host
+from flows.inventory import load_host, retire, update_host
 from flows.serve import stop_process, wait_for_deployment
 from flows.store import Store
 
@@ -211,6 +211,35 @@ def test_timed_out_bench_leaves_a_partial_run(world: dict, measured: subprocess.
     assert tables["kernels"].num_rows > 0
     assert "partial" in {r["status"] for r in tables["runs"].to_pylist()}
     assert "timeout" in _artifact(world, "bench-pro6000")
+
+
+def test_failed_build_fails_the_run_with_its_log(world: dict, measured: subprocess.CompletedProcess) -> None:
+    """sm_90 asked of a CPU-only host: engine.build refuses, and that is a real failure."""
+    update_host(world["hosts"], "f4", arch="sm_90")
+    res = deployment_run(world, "bench/f4")
+    assert res.returncode == 1 and "Failed" in res.stdout
+    log = _artifact(world, "build-log-f4")
+    assert "Build failed on f4" in log and "sm_90" in log
+
+
+def test_two_runs_of_one_host_never_overlap(world: dict, measured: subprocess.CompletedProcess) -> None:
+    """Started together, the second run waits for the host's concurrency slot (a retired host
+    keeps it cheap: projection and notes only)."""
+    retire(world["hosts"], "f2", "released")
+    t0 = time.monotonic()
+    cmd = [str(BIN / "prefect"), "deployment", "run", "bench/f2", "--watch"]
+    procs = [subprocess.Popen(cmd, env=world["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    spans = []
+    for out in outs:
+        flow_run = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+        tasks = _api(world["api"], "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run]}}})
+        spans.append((min(t["start_time"] for t in tasks), max(t["end_time"] for t in tasks)))
+    first, second = sorted(spans)
+    assert first[1] <= second[0], f"the two runs overlapped: {spans}"
+    print(f"\ntwo serialised runs of f2: {time.monotonic() - t0:.1f} s")
 
 
 def _projected(world: dict, host: str) -> None:
