@@ -75,6 +75,9 @@ def _notes_target(state: Path, commit: bool) -> tuple[Path, Path | None]:
     """(docs dir, repo): a scratch clone of this checkout when committing, else a plain folder."""
     if not commit:
         return state / "docs", None
+    if not (REPO / ".git").exists():
+        print("   this checkout is not a git repository: notes are written, not committed")
+        return state / "docs", None
     clone = state / "notes-repo"
     subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(clone)], check=True)
     _git("config", "user.name", "kdbench demo", cwd=clone)

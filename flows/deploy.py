@@ -111,7 +111,9 @@ def upload(remote: Remote, host: Host, payload: Payload, log: logging.Logger | l
     return pdir, True
 
 
-_SITE = "import json, site; print(json.dumps(site.getsitepackages()))"
+# the host python's site-packages, its user site included (a venv hides both)
+_SITE = ("import json, site; print(json.dumps(site.getsitepackages()"
+         " + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])))")
 # addsitedir (not a bare path line) so the host's own .pth files are honoured too
 _PTH = ("import pathlib, sys, sysconfig; "
         "pathlib.Path(sysconfig.get_paths()['purelib'], 'kdbench-host-site.pth')"
@@ -125,14 +127,16 @@ def ensure_venv(remote: Remote, host: Host, log: logging.Logger | logging.Logger
     """Create the host venv once and install only the requirements the host python lacks."""
     venv = f"{host.work_dir.rstrip('/')}/venv"
     py = f"{venv}/bin/python"
-    if remote.run(["test", "-x", py], timeout_s=SHORT_S).rc != 0:
+    ready = f"{venv}/.kdbench-ready"  # written last: a half-made venv is made again
+    if remote.run(["test", "-f", ready], timeout_s=SHORT_S).rc != 0:
         # no pip unless something must be installed: ensurepip is most of a venv's creation time
-        _check(remote.run([host.python, "-m", "venv", "--system-site-packages", "--without-pip", venv],
+        _check(remote.run([host.python, "-m", "venv", "--clear", "--system-site-packages", "--without-pip", venv],
                           timeout_s=600), "create venv")
         sites = json.loads(_check(remote.run([host.python, "-c", _SITE], timeout_s=SHORT_S), "read host site-packages"))
         if not all(isinstance(s, str) for s in sites):
             raise DeployError("host python reported malformed site-packages")
         _check(remote.run([py, "-c", _PTH, *sites], timeout_s=SHORT_S), "link host site-packages")
+        _check(remote.run(["touch", ready], timeout_s=SHORT_S), "mark venv ready")
         log.info("venv created on %s (reusing the host python's packages)", host.name)
     missing = _check(remote.run([py, "-c", _MISSING, *REQUIREMENTS], timeout_s=SHORT_S), "check imports").split()
     unknown = [m for m in missing if m not in REQUIREMENTS]

@@ -26,6 +26,16 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from prefect import serve as prefect_serve
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+from prefect.deployments.runner import EntrypointType, RunnerDeployment
+from prefect.exceptions import ObjectNotFound
+from prefect.settings import get_current_settings
+
+from flows.bench_flow import NOTES_LIMIT, bench, ensure_limit, fleet, limit_name
+from flows.inventory import InventoryError, load_inventory
 from flows.settings import REPO, Settings, SettingsError
 
 err = Console(stderr=True)
@@ -72,6 +82,9 @@ def server_env(home: Path, ui: bool = True) -> dict[str, str]:
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_UI_ENABLED": "true" if ui else "false",
         "PREFECT_LOGGING_LEVEL": "WARNING",
+        # so `prefect deployment run ... --watch` shows the run's logs (the host's output) live
+        "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true",
+        "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true",
     })
     return env
 
@@ -144,24 +157,20 @@ def server(
     except RuntimeError as e:
         raise _fail(str(e)) from None
     print(url)
-    err.print(f"Prefect server started (pid {pid}, state in {home}); UI at {url.removesuffix('/api')}\n"
+    err.print(f"Prefect server started (pid {pid}, state in {home})"
+              + (f"; UI at {url.removesuffix('/api')}" if ui else "") + "\n"
               f"  export PREFECT_API_URL={url}\n  stop it with: kdbench server --stop")
 
 
 # -- the deployments ------------------------------------------------------------------------
 
-def deployments(s: Settings) -> list:
+def deployments(s: Settings) -> list[RunnerDeployment]:
     """One `bench/<host>` per inventory host and `fleet/fleet`, loaded by module path so any
     machine with kdbench installed (serve process or worker) can run them."""
-    from prefect.deployments.runner import EntrypointType
-
-    from flows.bench_flow import bench, fleet
-    from flows.inventory import load_inventory
-
     inv = load_inventory(s.hosts_dir)
     deps = [bench.to_deployment(
         name=h, parameters={"host": h}, tags=["kdbench", f"host-{h}"],
-        description=f"Benchmark {h} ({inv.hosts[h].status}); projection when it cannot be measured.",
+        description=f"Benchmark {h}; projection when it cannot be measured (retired, refused, unreachable).",
         entrypoint_type=EntrypointType.MODULE_PATH,
     ) for h in sorted(inv.hosts)]
     deps.append(fleet.to_deployment(name="fleet", tags=["kdbench"], entrypoint_type=EntrypointType.MODULE_PATH,
@@ -171,9 +180,6 @@ def deployments(s: Settings) -> list:
 
 def _prune(keep: set[str]) -> list[str]:
     """Delete `bench/<host>` deployments whose host left the inventory."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-
     gone = []
     with get_client(sync_client=True) as client:
         for d in client.read_deployments(flow_filter=FlowFilter(name=FlowFilterName(any_=["bench"]))):
@@ -184,10 +190,6 @@ def _prune(keep: set[str]) -> list[str]:
 
 
 def _ensure_pool(name: str) -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectNotFound
-
     with get_client(sync_client=True) as client:
         try:
             client.read_work_pool(name)
@@ -208,11 +210,6 @@ def serve(
     KDBENCH_BUILD_TIMEOUT_S and KDBENCH_BENCH_TIMEOUT_S, read by each flow run.
     Restart it after editing hosts/ to add or drop deployments.
     """
-    from prefect.settings import get_current_settings
-
-    from flows.bench_flow import NOTES_LIMIT, ensure_limit, limit_name
-    from flows.inventory import InventoryError
-
     api = get_current_settings().api.url
     if not api:
         raise _fail("PREFECT_API_URL is not set: start a server with `kdbench server` and export the URL it prints")
@@ -237,8 +234,6 @@ def serve(
         print(f"registered {len(deps)} deployments in work pool {pool!r}: "
               + ", ".join(f"{d.flow_name}/{d.name}" for d in deps))
         return
-    from prefect import serve as prefect_serve
-
     err.print(f"serving {len(deps)} deployments against {api}: "
               + ", ".join(f"{d.flow_name}/{d.name}" for d in deps))
     prefect_serve(*deps, print_starting_message=False)

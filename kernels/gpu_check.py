@@ -10,6 +10,7 @@ fail are logged and the rest still run.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import time
@@ -153,11 +154,11 @@ def moe_section(log: Log, bw: float, tf: float) -> None:
                 break
             cfg = {"gate_up": c, "down": c}
             try:
-                err = rel_err(moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg), ref)
+                err = rel_err(moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg, split=False), ref)
                 if not err < 1e-2:
                     log(section="moe_sweep", m=m, cfg=str(c), rel_err=err, error="wrong result")
                     continue
-                us = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg))
+                us = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg, split=False))
             except Exception as exc:  # a config that does not compile is a data point, not a crash
                 log(section="moe_sweep", m=m, cfg=str(c), error=repr(exc)[-300:])
                 continue
@@ -178,7 +179,7 @@ def moe_section(log: Log, bw: float, tf: float) -> None:
         floor_us = max(nbytes / bw, flops / tf) * 1e6
         reg = moe_gemm.regime(m, TOPK, E)
         c = chosen[reg][0] if reg in chosen else moe_gemm.CONFIGS[reg]["gate_up"]
-        cfg = {"gate_up": c, "down": c}
+        cfg = None if m * TOPK <= moe_gemm.SPLIT_MAX_SLOTS else {"gate_up": c, "down": c}  # decode: split-K
         us = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg))
         eager = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg), graph=False)
         log(section="moe_time", m=m, cfg=str(c), us=us, eager_us=eager, unique=uniq, expected_unique=expected,
@@ -188,6 +189,112 @@ def moe_section(log: Log, bw: float, tf: float) -> None:
             us_ref = bench(lambda: reference.moe_w4a16(x, *w, ids, wts), graph=False)
             log(section="moe_ref", m=m, us=us_ref)
     del w
+
+
+# ----------------------------------------------------------------------------- MoE decode (split-K)
+
+DECODE_M = (1, 2, 4, 8, 16)
+# (BM, BN, BK, KS, warps, stages, DOT): FMA GEMV (DOT 0, one slot a block) and 16-slot plane dots (DOT 1)
+DECODE_SWEEP: list[moe_gemm.SplitConfig] = [  # FMA and dot interleaved: a short budget still sees both
+    (1, 64, 256, 1024, 4, 3, 0), (16, 64, 256, 1024, 4, 3, 1), (1, 64, 256, 1024, 8, 3, 0),
+    (16, 128, 128, 1024, 4, 3, 1), (1, 32, 256, 1024, 4, 3, 0), (16, 64, 128, 1024, 4, 4, 1),
+    (1, 128, 256, 1024, 8, 3, 0), (16, 64, 256, 512, 8, 3, 1), (1, 64, 256, 512, 4, 3, 0),
+    (1, 64, 256, 3584, 8, 3, 0), (1, 64, 512, 1024, 8, 2, 0), (1, 32, 512, 1024, 4, 2, 0),
+    (1, 64, 128, 1024, 4, 4, 0), (1, 128, 128, 1024, 4, 3, 0),
+]
+
+
+def _warm_decode(cfgs: list) -> str:
+    """Compile the split-K kernels for `cfgs` in a child process (fills the shared Triton cache)."""
+    e = 8
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = (torch.randint(-2**31, 2**31 - 1, (e, 2 * I, H // 8), device="cuda", dtype=torch.int32, generator=g),
+         (torch.rand(e, 2 * I, H // 32, device="cuda", generator=g) * 2e-3).to(torch.bfloat16),
+         torch.randint(-2**31, 2**31 - 1, (e, H, I // 8), device="cuda", dtype=torch.int32, generator=g),
+         (torch.rand(e, H, I // 32, device="cuda", generator=g) * 2e-3).to(torch.bfloat16))
+    errs = []
+    for c in cfgs:
+        for m in (1, 8):
+            x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+            ids = torch.rand(m, e, device="cuda").topk(TOPK, -1).indices
+            wts = torch.softmax(torch.randn(m, TOPK, device="cuda"), -1)
+            try:
+                moe_gemm.moe_w4a16(x, *w, ids, wts, configs={"gate_up": c, "down": c}, split=True)
+            except Exception as exc:
+                errs.append(f"{c}: {exc!r}"[:300])
+                break
+    torch.cuda.synchronize()
+    return "; ".join(errs)
+
+
+def moe_decode_section(log: Log, bw: float, tf: float) -> None:
+    """Split-K decode path: compile the sweep in parallel, check, time over 3 weight sets, pick per M."""
+    import multiprocessing as mp
+
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(min(14, len(DECODE_SWEEP))) as pool:
+        warm = importlib.import_module("kernels.gpu_check")._warm_decode  # picklable under `python -m`
+        errs = pool.map(warm, [[c] for c in DECODE_SWEEP])
+    log(section="moedec_compile", wall_s=time.time() - t0, errors=[x for x in errs if x])
+    sets = [moe_weights() for _ in range(3)]  # 3 x 9.5 GB: nothing stays in L2 between calls
+    inputs = {m: [(torch.randn(m, H, device="cuda", dtype=torch.bfloat16), *routing(m)) for _ in sets]
+              for m in DECODE_M}
+    refs = {m: reference.moe_w4a16(inputs[m][0][0], *sets[0], *inputs[m][0][1:]) for m in DECODE_M}
+    nbytes = {m: sum(int(torch.unique(ids).numel()) * EXPERT_BYTES + 2 * m * H * 2 for _, ids, _ in inputs[m]) / 3
+              for m in DECODE_M}
+
+    def run(m: int, i: int, cfg: dict | None, split: bool) -> torch.Tensor:
+        x, ids, wts = inputs[m][i]
+        return moe_gemm.moe_w4a16(x, *sets[i], ids, wts, configs=cfg, split=split)
+
+    def timed(m: int, cfg: dict | None, split: bool = True) -> float:
+        return bench(lambda: [run(m, i, cfg, split) for i in range(3)]) / 3
+
+    def rec(m: int, us: float) -> dict[str, float]:
+        return {"us": us, "gbps": nbytes[m] / us / 1e3, "pct_copy_bw": 100 * nbytes[m] / bw / (us * 1e-6),
+                "floor_us": nbytes[m] / bw * 1e6}
+
+    for m in (1, 16):  # the shipped tiled path, same inputs, for the before / after
+        if log.time_left() > 150:
+            err = rel_err(run(m, 0, None, False), refs[m])
+            log(section="moedec_baseline", m=m, cfg=str(moe_gemm.CONFIGS["decode"]["gate_up"]), rel_err=err,
+                **rec(m, timed(m, None, False)))
+    best: dict[int, tuple[Any, float]] = {}
+    for c in DECODE_SWEEP:
+        cfg = {"gate_up": c, "down": c}
+        for m in DECODE_M:
+            if log.time_left() < 25:
+                break
+            try:
+                err = rel_err(run(m, 0, cfg, True), refs[m])
+                if not err < 1e-2:
+                    log(section="moedec_sweep", m=m, cfg=str(c), rel_err=err, error="wrong result")
+                    continue
+                us = timed(m, cfg)
+            except Exception as exc:
+                log(section="moedec_sweep", m=m, cfg=str(c), error=repr(exc)[-300:])
+                break
+            log(section="moedec_sweep", m=m, cfg=str(c), rel_err=err, **rec(m, us))
+            if m not in best or us < best[m][1]:
+                best[m] = (c, us)
+    poisoned(moe_gemm)
+    for m in DECODE_M:  # the picks, re-checked on fresh inputs with poisoned buffers
+        if m not in best:
+            continue
+        c = best[m][0]
+        i = m % 3
+        x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+        ids, wts = routing(m)
+        err = rel_err(moe_gemm.moe_w4a16(x, *sets[i], ids, wts, configs={"gate_up": c, "down": c}),
+                      reference.moe_w4a16(x, *sets[i], ids, wts))
+        log(section="moedec_pick", m=m, cfg=str(c), rel_err=err, ok=err < 1e-2, **rec(m, best[m][1]))
+    unpoisoned(moe_gemm)
+    for m in (1, 16):  # host cost: eager (one weight set) against graph replay
+        if m in best:
+            cfg = {"gate_up": best[m][0], "down": best[m][0]}
+            log(section="moedec_eager", m=m, eager_us=bench(lambda: run(m, 0, cfg, True), graph=False),
+                graph_us=bench(lambda: run(m, 0, cfg, True)))
+    del sets
 
 
 # ----------------------------------------------------------------------------- MLA
@@ -329,6 +436,7 @@ def main() -> None:
     log = Log(a.out, time.time() + a.budget_s)
     bw, tf = ceilings(log)
     sections = {"tree": lambda: tree_section(log), "moe": lambda: moe_section(log, bw, tf),
+                "moedec": lambda: moe_decode_section(log, bw, tf),
                 "mla": lambda: mla_section(log, bw, tf)}
     for name in a.only.split(","):
         t0 = time.time()

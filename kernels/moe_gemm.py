@@ -12,9 +12,10 @@ kernel a stream over the unique experts' packed weights.
 
 Decode (at most SPLIT_MAX_SLOTS token-expert slots) takes the split-K path instead: every program
 finds its (expert, <= BM slots) block itself from topk_ids in registers (no alignment launches), then
-streams one [BN rows, KS of K] chunk of that expert's weights: thousands of programs each reading a
-contiguous 32-64 KB, fp32 partial sums per K split, combined by two tiny kernels (SiLU x up after
-gate_up; routing-weighted sum over splits and top-k after down). Four launches in all, no host sync.
+streams one [BN rows, KS of K] chunk of that expert's weights (about a thousand programs at M = 1,
+each reading 64-112 KB), fp32 partial sums per K split, combined by two tiny kernels (SiLU x up after
+gate_up; routing-weighted sum over splits and top-k after down). Four Triton launches and one
+activation permute copy, no host sync.
 """
 
 from __future__ import annotations
@@ -285,12 +286,15 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
 # ----------------------------------------------------------------------------- decode: split-K
 
 # (BM, BN, BK, KS, num_warps, num_stages, DOT) per kernel, by the largest M of the bucket.
-# BM slots per block (DOT pads them to 16 for tl.dot), BN weight rows, BK of K per step, KS of K per
-# program; DOT 0: FMA GEMV (fp32 planes, sum over K once at the end), 1: plane dots on the MMA units.
+# BM slots per block, BN weight rows, BK of K per step, KS of K per program.
+# DOT 0: FMA GEMV, one slot per block (BM must be 1); the activation is pre-permuted so that its
+#   int32 pairs line up with the weight words (same [BN, BK/8] layout: no shared-memory shuffles).
+# DOT 1: plane dots on the MMA units, slots padded to 16.
 SplitConfig = tuple[int, int, int, int, int, int, int]
 SPLIT_MAX_SLOTS = 128  # M * top-k up to this goes split-K (M <= 16 at K2's top-8)
+# H200 sweep (NOTES.md, run 4): the same config was the fastest verified one at every M = 1..16.
 SPLIT_CONFIGS: dict[int, dict[str, SplitConfig]] = {
-    16: {"gate_up": (1, 64, 256, 1024, 4, 3, 0), "down": (1, 64, 256, 1024, 4, 3, 0)},
+    16: {"gate_up": (1, 64, 256, 3584, 8, 3, 0), "down": (1, 64, 256, 3584, 8, 3, 0)},
 }
 
 
@@ -321,12 +325,53 @@ def _block_slots(ids_ptr, b, S, BM: tl.constexpr, SP: tl.constexpr):
 
 
 @triton.jit
-def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_rows_per_slot,
+def _unpack_pair(v, BF16: tl.constexpr):
+    """int32 holding two 16-bit activations -> (low, high) as fp32 (exact)."""
+    if BF16:
+        lo = (v << 16).to(tl.float32, bitcast=True)
+        hi = (v & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _lane(src, j: tl.constexpr, magic):
+    """2^(4j) * q of the biased nibble at bits 4j..4j+3 (j <= 3) of src: masked under 2^23's
+    exponent, no shift (2^23 + 2^(4j) (q + 8) is exact), minus the constant. `magic` (0x4B000000)
+    comes in as a kernel argument so that mask-and-or is one LOP3 (it takes one immediate)."""
+    return ((src & (15 << (4 * j))) | magic).to(tl.float32, bitcast=True) - (8388608.0 + 8.0 * 16**j)
+
+
+@triton.jit
+def _word_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, magic):
+    """sum_j q_j * x_j over the 8 nibbles of each word: one xor and one shift a word, a mask, a
+    subtraction and an FMA a nibble, Horner steps of 2^-4 between nibble pairs (j, j + 4)."""
+    lo = words ^ -2004318072  # 0x88888888: two's complement -> q + 8
+    hi = lo >> 16
+    t = _lane(lo, 3, magic) * x3
+    t += _lane(hi, 3, magic) * x7
+    t = t * 0.0625
+    t += _lane(lo, 2, magic) * x2
+    t += _lane(hi, 2, magic) * x6
+    t = t * 0.0625
+    t += _lane(lo, 1, magic) * x1
+    t += _lane(hi, 1, magic) * x5
+    t = t * 0.0625
+    t += _lane(lo, 0, magic) * x0
+    t += _lane(hi, 0, magic) * x4
+    return t
+
+
+@triton.jit(do_not_specialize=["S"])
+def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_rows_per_slot, magic,
                 WEIGHTED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                KS: tl.constexpr, SP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
+                KS: tl.constexpr, SP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr):
     """part[split, slot, n] = a[row(slot), chunk] . W_e[n, chunk] (x routing weight if WEIGHTED) for
     one (block, BN rows, KS chunk of K). Words load as [BN, BK/8] (BK/2 contiguous bytes a row),
-    scales as [BN, BK/32] once per step and broadcast to their 4 words in registers."""
+    scales as [BN, BK/32] once per step and broadcast to their 4 words in registers.
+    DOT 0: a_ptr is the activation as int32 pairs, permuted per BK chunk (see _permute)."""
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -334,28 +379,21 @@ def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_row
     if e >= 0:
         W: tl.constexpr = BK // 8
         G: tl.constexpr = BK // 32
-        arow = (slot // a_rows_per_slot).to(tl.int64)
         rn = pid_n * BN + tl.arange(0, BN)
         rw = tl.arange(0, W)
-        e64 = e.to(tl.int64)
         kbeg = split * KS
-        wrow = e64 * N + rn
+        wrow = e.to(tl.int64) * N + rn
         wq = wq_ptr + wrow[:, None] * (K // 8) + kbeg // 8 + rw[None, :]
         ws = ws_ptr + wrow[:, None] * (K // 32) + kbeg // 32 + tl.arange(0, G)[None, :]
-        dt = a_ptr.dtype.element_ty
         if DOT:
+            arow = (slot // a_rows_per_slot).to(tl.int64)
             ap = a_ptr + arow[None, :] * K + kbeg + 8 * rw[:, None]  # [W, BM]: plane j = ap + j
             xm = valid[None, :]
             acc = tl.zeros((BN, BM), dtype=tl.float32)
-        else:
-            ap = a_ptr + arow[:, None] * K + kbeg + 8 * rw[None, :]  # [BM, W]
-            xm = valid[:, None]
-            acc3 = tl.zeros((BN, BM, W), dtype=tl.float32)
-        for k0 in range(0, KS, BK):
-            words = tl.load(wq + k0 // 8)
-            sc = tl.load(ws + k0 // 32)
-            sw = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, G, 4)), (BN, W))
-            if DOT:
+            for k0 in range(0, KS, BK):
+                words = tl.load(wq + k0 // 8)
+                sc = tl.load(ws + k0 // 32)
+                sw = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, G, 4)), (BN, W))
                 x0 = tl.load(ap + k0 + 0, mask=xm, other=0.0)
                 x1 = tl.load(ap + k0 + 1, mask=xm, other=0.0)
                 x2 = tl.load(ap + k0 + 2, mask=xm, other=0.0)
@@ -364,15 +402,23 @@ def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_row
                 x5 = tl.load(ap + k0 + 5, mask=xm, other=0.0)
                 x6 = tl.load(ap + k0 + 6, mask=xm, other=0.0)
                 x7 = tl.load(ap + k0 + 7, mask=xm, other=0.0)
-                acc = _plane_dots(words, sw, x0, x1, x2, x3, x4, x5, x6, x7, acc, dt, ASM)
-            else:  # unscaled integer planes times x, summed over the 8 planes, then one scale per word
-                t = tl.zeros((BN, BM, W), dtype=tl.float32)
-                for j in tl.static_range(8):
-                    xj = tl.load(ap + k0 + j, mask=xm, other=0.0).to(tl.float32)
-                    t += _nibble(words, j)[:, None, :] * xj[None, :, :]
-                acc3 += t * sw.to(tl.float32)[:, None, :]
-        if not DOT:
-            acc = tl.sum(acc3, axis=2)
+                acc = _plane_dots(words, sw, x0, x1, x2, x3, x4, x5, x6, x7, acc, a_ptr.dtype.element_ty, ASM)
+        else:
+            tl.static_assert(BM == 1)
+            arow = (tl.sum(slot, axis=0) // a_rows_per_slot).to(tl.int64)
+            # pair-plane p of a chunk: W int32 words, word w = elements 8w + 2p, 8w + 2p + 1
+            xp = a_ptr + arow * (K // 2) + kbeg // 2 + rw[None, :] + 0 * rn[:, None]
+            acc2 = tl.zeros((BN, W), dtype=tl.float32)
+            for k0 in range(0, KS, BK):
+                words = tl.load(wq + k0 // 8)
+                sc = tl.load(ws + k0 // 32)
+                sw = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, G, 4)), (BN, W))
+                x0, x1 = _unpack_pair(tl.load(xp + k0 // 2), BF16)
+                x2, x3 = _unpack_pair(tl.load(xp + k0 // 2 + W), BF16)
+                x4, x5 = _unpack_pair(tl.load(xp + k0 // 2 + 2 * W), BF16)
+                x6, x7 = _unpack_pair(tl.load(xp + k0 // 2 + 3 * W), BF16)
+                acc2 += _word_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, magic) * sw.to(tl.float32)
+            acc = tl.sum(acc2, axis=1)[:, None]
         if WEIGHTED:
             acc = acc * tl.load(tw_ptr + slot, mask=valid, other=0.0)[None, :]
         op = part_ptr + (split * S + slot).to(tl.int64)[None, :] * N + rn[:, None]
@@ -380,8 +426,9 @@ def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_row
 
 
 @triton.jit
-def _silu_mul(part_ptr, h_ptr, S, I, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """h[slot, c] = silu(gate) * up, gate / up = the gate_up partials summed over the K splits."""
+def _silu_mul(part_ptr, h_ptr, S, I, SPLITS: tl.constexpr, PERM: tl.constexpr, BLOCK: tl.constexpr):
+    """h[slot, c] = silu(gate) * up, gate / up = the gate_up partials summed over the K splits.
+    PERM > 0 writes h in _permute's order for that BK (the FMA down pass reads it so)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < S * I
     row = offs // I
@@ -393,7 +440,10 @@ def _silu_mul(part_ptr, h_ptr, S, I, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
         g += tl.load(base, mask=live, other=0.0)
         u += tl.load(base + I, mask=live, other=0.0)
     h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=live)
+    if PERM:
+        r = col % PERM  # element 8w + 2p + lo of the chunk -> pair-plane p, word w, half lo
+        col = col - r + (r % 8 // 2) * (PERM // 4) + (r // 8) * 2 + r % 2
+    tl.store(h_ptr + row * I + col, h.to(h_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit
@@ -410,24 +460,39 @@ def _sum_slots(part_ptr, out_ptr, M, S, N, TOPK: tl.constexpr, SPLITS: tl.conste
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 
-def _split_launch(a: Tensor, ids: Tensor, wq: Tensor, ws: Tensor, tw: Tensor, n: int, k: int,
-                  a_rows_per_slot: int, weighted: bool, cfg: SplitConfig) -> Tensor:
-    """fp32 partials [K / KS, slots, n] of one split-K pass."""
+def _plan(cfg: SplitConfig, n: int, k: int, on_gpu: bool) -> SplitConfig:
+    """The config as it will run on an [n, k] weight: chunks clipped to the shape."""
     bm, bn, bk, ks, warps, stages, dot = cfg
     bn, ks = min(bn, n), min(ks, k)
+    while k % ks and ks > 32:  # small models (the engine's k2-mini): the largest chunk that tiles
+        ks //= 2
     bk = min(bk, ks)
-    if dot:
-        bm = max(bm, 16)  # tl.dot needs 16 columns; the padding slots are masked
-    if n % bn or k % ks or ks % bk or bk % 32 or (dot and bk < 128 and a.is_cuda):
+    if dot and bk < 128 and on_gpu:
+        dot = 0  # plane dots need K >= 16 per plane on the GPU
+    bm = max(bm, 16) if dot else 1  # tl.dot needs 16 columns (padding slots masked); FMA: one slot
+    if n % bn or k % ks or ks % bk or bk % 32:
         raise ValueError(f"moe_w4a16: N={n}, K={k} do not tile by BN={bn}, KS={ks}, BK={bk}")
+    return bm, bn, bk, ks, warps, stages, dot
+
+
+def _permute(a: Tensor, bk: int) -> Tensor:
+    """Activation rows as int32 pairs, each BK chunk pair-plane major (FMA path's layout)."""
+    m, k = a.shape
+    return a.view(torch.int32).view(m, k // bk, bk // 8, 4).transpose(2, 3).contiguous().view(m, k // 2)
+
+
+def _split_launch(a: Tensor, ids: Tensor, wq: Tensor, ws: Tensor, tw: Tensor, n: int, k: int,
+                  a_rows_per_slot: int, weighted: bool, plan: SplitConfig, bf16: bool) -> Tensor:
+    """fp32 partials [K / KS, slots, n] of one split-K pass."""
+    bm, bn, bk, ks, warps, stages, dot = plan
     s = ids.numel()
     experts = wq.shape[0]
     blocks = min(s, min(experts, s) + s // bm)  # leaders: one per BM slots of each expert
-    part = torch.empty(k // ks, s, n, dtype=torch.float32, device=a.device)
+    part = torch.empty(k // ks, s, n, dtype=torch.float32, device=wq.device)
     _moe_splitk[(blocks, n // bn, k // ks)](
-        a, ids, wq, ws, part, tw, s, n, k, a_rows_per_slot, WEIGHTED=weighted, BM=bm, BN=bn, BK=bk, KS=ks,
-        SP=max(16, triton.next_power_of_2(s)), DOT=dot,
-        ASM=bool(dot and a.dtype == torch.bfloat16 and a.is_cuda), num_warps=warps, num_stages=stages)
+        a, ids, wq, ws, part, tw, s, n, k, a_rows_per_slot, 0x4B000000, WEIGHTED=weighted, BM=bm, BN=bn, BK=bk, KS=ks,
+        SP=32 if s <= 32 else triton.next_power_of_2(s), DOT=dot,  # two variants up to 128 slots
+        ASM=bool(dot and bf16 and wq.is_cuda), BF16=bf16, num_warps=warps, num_stages=stages)
     return part
 
 
@@ -437,12 +502,18 @@ def _moe_split(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tens
     inter = w13_q.shape[1] // 2
     topk = topk_ids.shape[1]
     s = m * topk
+    bf16 = x.dtype == torch.bfloat16
     ids = topk_ids.reshape(-1).contiguous()
-    gu = _split_launch(x, ids, w13_q, w13_s, tw, 2 * inter, h, topk, False, cfg["gate_up"])
+    gu_plan = _plan(cfg["gate_up"], 2 * inter, h, x.is_cuda)
+    dn_plan = _plan(cfg["down"], h, inter, x.is_cuda)
+    a = x if gu_plan[6] else _permute(x, gu_plan[2])
+    gu = _split_launch(a, ids, w13_q, w13_s, tw, 2 * inter, h, topk, False, gu_plan, bf16)
     hbuf = torch.empty(s, inter, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_mul[(triton.cdiv(s * inter, block),)](gu, hbuf, s, inter, SPLITS=gu.shape[0], BLOCK=block)
-    dn = _split_launch(hbuf, ids, w2_q, w2_s, tw, h, inter, 1, True, cfg["down"])
+    _silu_mul[(triton.cdiv(s * inter, block),)](gu, hbuf, s, inter, SPLITS=gu.shape[0],
+                                               PERM=0 if dn_plan[6] else dn_plan[2], BLOCK=block)
+    a = hbuf if dn_plan[6] else hbuf.view(torch.int32)
+    dn = _split_launch(a, ids, w2_q, w2_s, tw, h, inter, 1, True, dn_plan, bf16)
     out = torch.empty(m, h, dtype=x.dtype, device=x.device)
     _sum_slots[(triton.cdiv(m * h, block),)](dn, out, m, s, h, TOPK=topk, SPLITS=dn.shape[0], BLOCK=block)
     return out

@@ -284,9 +284,16 @@ def test_process_worker_runs_the_same_deployments(world: dict, served: Served,
                                                   tmp_path: Path) -> None:
     """The team setup: deployments in a process work pool, run by `prefect worker start`."""
     served.stop()  # one runner at a time: the served deployments are re-registered into the pool
+    # serve re-reads hosts/: a new host gets its deployment, a removed one loses it
+    hosts = world["hosts"]
+    (hosts / "f5.yaml").write_text((hosts / "f3.yaml").read_text().replace("name: f3", "name: f5"))
+    (hosts / "f4.yaml").unlink()
     reg = subprocess.run([str(BIN / "kdbench"), "serve", "--pool", "kdbench-test"], env=world["env"],
                          capture_output=True, text=True, timeout=120)
     assert reg.returncode == 0, reg.stderr
+    assert "bench/f5" in reg.stdout and "bench/f4" not in reg.stdout and "f4" in reg.stderr
+    assert wait_for_deployment(world["api"], "bench/f5", 5)
+    assert not wait_for_deployment(world["api"], "bench/f4", 1)
     log = tmp_path / "worker.log"
     with log.open("wb") as out:
         worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "kdbench-test",

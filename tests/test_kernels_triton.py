@@ -77,22 +77,23 @@ def test_moe_matches_reference(m: int, expand: int, prefetch: int) -> None:
 
 
 @inner
-@pytest.mark.parametrize("m,bm,dot", [(1, 1, 0), (7, 2, 0), (6, 16, 1)])
-def test_moe_split_k_matches_reference(m: int, bm: int, dot: int) -> None:
-    """The decode path: per-program block finding (experts with more slots than BM included), two
-    K splits in gate_up, the SiLU x up and the split + top-k sum kernels."""
+@pytest.mark.parametrize("m,e,dot", [(1, 8, 0), (7, 8, 0), (24, 4, 1)])
+def test_moe_split_k_matches_reference(m: int, e: int, dot: int) -> None:
+    """The decode path: per-program block finding (m=24 over 4 experts: 18 slots each, so two
+    16-slot blocks per expert), two K splits in gate_up, SiLU x up (permuted for the FMA down
+    pass), the split + top-k sum."""
     from kernels import moe_gemm, reference
     from kernels.gpu_check import poisoned, unpoisoned
     from kernels.int4 import quantize_w4
 
     g = torch.Generator().manual_seed(200 + m)
-    e, h, inter, k = 8, 256, 128, 3
+    h, inter, k = 256, 128, 3
     w13 = quantize_w4(torch.randn(e, 2 * inter, h, generator=g) * 0.1)
     w2 = quantize_w4(torch.randn(e, h, inter, generator=g) * 0.1)
     x = torch.randn(m, h, generator=g).half()
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)])
     wts = torch.rand(m, k, generator=g)
-    cfg = (bm, 32, 64, 128, 4, 1, dot)
+    cfg = (16, 32, 64, 128, 4, 1, dot)
     poisoned(moe_gemm)
     try:
         out = moe_gemm.moe_w4a16(x, *w13, *w2, ids, wts, configs={"gate_up": cfg, "down": cfg})
