@@ -35,8 +35,8 @@ class KernelProfile:
 PROFILES: dict[tuple[str, str], KernelProfile] = {
     ("cuda", "full"): KernelProfile(
         K2, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), (1, 32),
-        tuple((b, n, c) for b in (1, 8) for n in (16, 64, 256, 1024) for c in (1024, 4096, 16384, 65536)),
-        ((1, 64, 4096), (1, 256, 4096)),
+        tuple((b, n, c) for b in (1, 8) for n in (16, 64, 256, 1024) for c in (1024, 8192, 32768, 65536)),
+        ((1, 64, 8192), (8, 64, 8192), (1, 256, 8192)),
         tuple((b, n) for b in (1, 16) for n in (16, 64, 256, 1024)), repeats=50, torch_repeats=5),
     ("cuda", "smoke"): KernelProfile(
         K2, (1, 16, 128), (16,), ((1, 16, 4096), (1, 256, 4096)), ((1, 64, 4096),),

@@ -27,12 +27,14 @@ from kernels import ops
 ARCHES = ("sm_90", "sm_100", "sm_103", "sm_120", "cpu")
 MODULES = {"moe_w4a16": "moe_gemm", "mla_tree_attention": "mla_verify",
            "build_tree": "tree_build", "tree_accept": "tree_accept"}
-TOL = {"moe_w4a16": 3e-2, "mla_tree_attention": 3e-2}  # bf16 kernels vs float32 references
+TOL = {"moe_w4a16": 1e-2, "mla_tree_attention": 1e-2}  # bf16 kernels vs float32 references
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    g, w = got.float(), want.float()
-    return float((g - w).abs().max() / w.abs().max().clamp(min=1e-12))
+    """||got - want|| / ||want||: the measure the kernels issue sets its 1e-2 bound in; NaN fails."""
+    g, w = got.double(), want.double()
+    err = float((g - w).norm() / w.norm().clamp(min=1e-12))
+    return err if err == err else float("inf")
 
 
 def tree_err(a: ops.Tree | tuple, b: ops.Tree | tuple) -> float:
@@ -55,7 +57,7 @@ def cases(kb: KernelBench, device: torch.device) -> dict[str, list[tuple[Callabl
     for b, n, c in p.attn:
         def att(impl: str, b: int = b, n: int = n, c: int = c) -> Any:
             return ops.mla_tree_attention(*kb.attention_inputs(b, n, c), impl=impl)
-        out["mla_tree_attention"].append((att, c <= 4096 and n <= 256))
+        out["mla_tree_attention"].append((att, c <= 8192 and n <= 256))
     for b, n in p.tree:
         out["build_tree"].append((lambda impl, b=b, n=n: ops.build_tree(*kb.draft(b, n), n, impl=impl), True))
         out["tree_accept"].append((lambda impl, b=b, n=n: ops.tree_accept(*kb.accept_inputs(b, n), impl=impl), True))
@@ -82,22 +84,24 @@ def check(name: str, runs: list[tuple[Callable[[str], Any], bool]], kb: KernelBe
         except Exception as e:  # report, keep checking the others
             return {"status": "error", "rel_err": None, "detail": f"{type(e).__name__}: {e}"[:300]}
         return {"status": "reference", "rel_err": None, "shapes": len(runs)}
-    worst = 0.0
+    worst, worst_at = 0.0, None
     try:
-        for run, compare in runs:
+        for i, (run, compare) in enumerate(runs):
             kb.reseed()
             got = run("triton")
             if compare:
                 kb.reseed()
                 want = run("torch")
                 err = tree_err(got, want) if name in ("build_tree", "tree_accept") else rel_err(got, want)
-                worst = max(worst, err)
+                if err > worst or worst_at is None:
+                    worst, worst_at = max(worst, err), i
         torch.cuda.synchronize()
     except Exception as e:
         traceback.print_exc()
         return {"status": "error", "rel_err": None, "detail": f"{type(e).__name__}: {e}"[:300]}
     ok = worst <= TOL.get(name, 0.0)
-    return {"status": "ok" if ok else "mismatch", "rel_err": worst, "shapes": len(runs)}
+    return {"status": "ok" if ok else "mismatch", "rel_err": worst, "worst_shape": worst_at,
+            "shapes": len(runs)}
 
 
 def main(argv: list[str] | None = None) -> int:
