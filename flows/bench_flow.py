@@ -417,7 +417,7 @@ def bench(host: str, suites: list[str] | None = None, profile: str | None = None
             else:
                 report = RunReport(host=host, route=res.outcome, outcome="unmeasured",
                                    detail=_route_unmeasurable(s, h, res))
-        if report.outcome not in ("measured", "partial"):
+        if report.route != "measured":  # a reachable host keeps its last measured data in the notes
             try:
                 report.projected_run_id = projection.project_task(s.artifacts, str(s.hosts_dir), host, reference)
                 report.outcome = "projected"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from typing import Iterator
 import pyarrow.dataset as ds
 import pytest
 
+from engine.schema import SchemaError, read_table
 from flows import sandbox as sandbox_mod
 from flows.inventory import load_host, retire, update_host
 from flows.serve import stop_process, wait_for_deployment
@@ -198,19 +200,69 @@ def test_fleet_runs_hosts_in_parallel(world: dict, measured: subprocess.Complete
     assert ratio < 3.5, f"fleet took {ratio:.2f}x one host's time"
 
 
-def test_timed_out_bench_leaves_a_partial_run(world: dict, measured: subprocess.CompletedProcess) -> None:
-    """The full e2e sweep takes minutes on a CPU (the full kernel sweep ~10 s): a 15 s limit per
-    suite kills one of them mid-way, and what it measured is still pulled and ingested."""
+def _new_runs(world: dict, host: str, before: set[str]) -> list:
+    return [r for r in Store(str(world["artifacts"])).runs(host) if r.run_id not in before]
+
+
+def _bench_pids(out_dir: Path) -> list[int]:
+    """The engine.bench processes writing into out_dir (the sandbox host's processes are local)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        try:
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if p.name.isdigit() and b"engine.bench" in cmd and str(out_dir).encode() in cmd:
+            pids.append(int(p.name))
+    return pids
+
+
+def test_killed_bench_leaves_a_partial_run_with_what_it_measured(world: dict,
+                                                                 measured: subprocess.CompletedProcess) -> None:
+    """The full kernel sweep takes ~10 s on a CPU; it is killed as soon as its first point is written."""
     before = {r.run_id for r in Store(str(world["artifacts"])).runs("pro6000")}
-    res = deployment_run(world, "bench/pro6000", "--params", json.dumps(
-        {"profile": "full", "suites": ["kernels", "e2e"], "bench_timeout_s": 15}))
-    _ok(res)
-    new = [r for r in Store(str(world["artifacts"])).runs("pro6000") if r.run_id not in before]
+    runs_dir = Path(load_host(world["hosts"], "pro6000").work_dir) / "runs"
+    known = set(runs_dir.iterdir())
+    cli = subprocess.Popen([str(BIN / "prefect"), "deployment", "run", "bench/pro6000", "--params",
+                            json.dumps({"profile": "full", "suites": ["kernels"]}), "--watch"],
+                           env=world["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed = []
+    deadline = time.monotonic() + 240
+    while not killed and time.monotonic() < deadline and cli.poll() is None:
+        for run in set(runs_dir.iterdir()) - known:
+            out = run / "out"
+            try:
+                points = read_table(out / "kernels.arrow").num_rows
+            except (SchemaError, FileNotFoundError):
+                points = 0
+            if points:
+                for pid in _bench_pids(out):
+                    os.kill(pid, signal.SIGTERM)
+                    killed.append(pid)
+        time.sleep(0.05)
+    output = cli.communicate(timeout=300)[0]
+    assert killed, "the bench was never caught mid-way"
+    assert cli.returncode == 0, output[-4000:]
+    new = _new_runs(world, "pro6000", before)
     assert [(r.source, r.status) for r in new] == [("measured", "partial")]
     tables = Store(str(world["artifacts"])).load("pro6000", new[0].run_id)
-    assert tables["kernels"].num_rows > 0
-    assert "partial" in {r["status"] for r in tables["runs"].to_pylist()}
-    assert "timeout" in _artifact(world, "bench-pro6000")
+    assert 0 < tables["kernels"].num_rows < 30
+    assert {r["status"] for r in tables["runs"].to_pylist()} == {"partial"}
+    assert "suite kernels: failed" in _artifact(world, "bench-pro6000")
+
+
+def test_bench_timeout_kills_the_remote_process_group(world: dict, measured: subprocess.CompletedProcess) -> None:
+    """A 3 s limit always cuts the full kernel sweep short: the run still completes, nothing of the
+    bench survives on the host, and whatever it measured is ingested as partial."""
+    before = {r.run_id for r in Store(str(world["artifacts"])).runs("pro6000")}
+    res = deployment_run(world, "bench/pro6000", "--params", json.dumps(
+        {"profile": "full", "suites": ["kernels", "e2e"], "bench_timeout_s": 3}))
+    _ok(res)
+    summary = _artifact(world, "bench-pro6000")
+    assert "suite kernels: timeout" in summary and "suite e2e" not in summary  # later suites skipped
+    runs_dir = Path(load_host(world["hosts"], "pro6000").work_dir) / "runs"
+    assert not [pid for run in runs_dir.iterdir() for pid in _bench_pids(run / "out")]
+    assert all((r.source, r.status) == ("measured", "partial") for r in _new_runs(world, "pro6000", before))
 
 
 def test_failed_build_fails_the_run_with_its_log(world: dict, measured: subprocess.CompletedProcess) -> None:
