@@ -77,10 +77,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((o - r).norm() / r.norm())
 
 
-def bench(fn: Callable[[], Any], graph: bool = True) -> float:
+def bench(fn: Callable[[], Any], graph: bool = True, rep: int = 60) -> float:
     """Median microseconds; CUDA-graph replay when asked (strips Python and launch gaps)."""
     if graph:
-        return 1e3 * do_bench_cudagraph(fn, rep=60, return_mode="median")
+        return 1e3 * do_bench_cudagraph(fn, rep=rep, return_mode="median")
     return 1e3 * do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
@@ -154,11 +154,11 @@ def moe_section(log: Log, bw: float, tf: float) -> None:
                 break
             cfg = {"gate_up": c, "down": c}
             try:
-                err = rel_err(moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg, split=False), ref)
+                err = rel_err(moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg, path="tiled"), ref)
                 if not err < 1e-2:
                     log(section="moe_sweep", m=m, cfg=str(c), rel_err=err, error="wrong result")
                     continue
-                us = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg, split=False))
+                us = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg, path="tiled"))
             except Exception as exc:  # a config that does not compile is a data point, not a crash
                 log(section="moe_sweep", m=m, cfg=str(c), error=repr(exc)[-300:])
                 continue
@@ -180,8 +180,9 @@ def moe_section(log: Log, bw: float, tf: float) -> None:
         reg = moe_gemm.regime(m, TOPK, E)
         c = chosen[reg][0] if reg in chosen else moe_gemm.CONFIGS[reg]["gate_up"]
         cfg = None if m * TOPK <= moe_gemm.SPLIT_MAX_SLOTS else {"gate_up": c, "down": c}  # decode: split-K
-        us = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg))
-        eager = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg), graph=False)
+        path = None if cfg is None else "tiled"
+        us = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg, path=path))
+        eager = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg, path=path), graph=False)
         log(section="moe_time", m=m, cfg=str(c), us=us, eager_us=eager, unique=uniq, expected_unique=expected,
             bytes=nbytes, floor_us=floor_us, pct_bw=100 * nbytes / bw / (us * 1e-6), per_token_us=us / m,
             tflops=flops / (us * 1e-6) / 1e12)
@@ -219,7 +220,7 @@ def _warm_decode(cfgs: list) -> str:
             ids = torch.rand(m, e, device="cuda").topk(TOPK, -1).indices
             wts = torch.softmax(torch.randn(m, TOPK, device="cuda"), -1)
             try:
-                moe_gemm.moe_w4a16(x, *w, ids, wts, configs={"gate_up": c, "down": c}, split=True)
+                moe_gemm.moe_w4a16(x, *w, ids, wts, configs={"gate_up": c, "down": c}, path="split")
             except Exception as exc:
                 errs.append(f"{c}: {exc!r}"[:300])
                 break
@@ -245,7 +246,7 @@ def moe_decode_section(log: Log, bw: float, tf: float) -> None:
 
     def run(m: int, i: int, cfg: dict | None, split: bool) -> torch.Tensor:
         x, ids, wts = inputs[m][i]
-        return moe_gemm.moe_w4a16(x, *sets[i], ids, wts, configs=cfg, split=split)
+        return moe_gemm.moe_w4a16(x, *sets[i], ids, wts, configs=cfg, path="split" if split else "tiled")
 
     def timed(m: int, cfg: dict | None, split: bool = True) -> float:
         return bench(lambda: [run(m, i, cfg, split) for i in range(3)]) / 3
@@ -294,6 +295,104 @@ def moe_decode_section(log: Log, bw: float, tf: float) -> None:
             cfg = {"gate_up": best[m][0], "down": best[m][0]}
             log(section="moedec_eager", m=m, eager_us=bench(lambda: run(m, 0, cfg, True), graph=False),
                 graph_us=bench(lambda: run(m, 0, cfg, True)))
+    del sets
+
+
+# ----------------------------------------------------------------------------- MoE grouped split-K
+
+GROUPED_M = (32, 64, 128, 256, 512, 1024)
+# (BM, BN, BK, KS, warps, stages, DOT): plane dots (1), one interleaved dot (2), FMA one slot a block (0)
+GROUPED_SWEEP: list[moe_gemm.SplitConfig] = [  # DOT + 4: words and scales double-buffered in registers
+    (16, 64, 256, 7168, 4, 3, 1), (16, 64, 256, 7168, 4, 3, 5), (16, 64, 256, 7168, 4, 3, 2),
+    (16, 64, 256, 7168, 4, 3, 6), (16, 128, 128, 7168, 4, 3, 1), (16, 64, 128, 7168, 4, 3, 2),
+    (32, 64, 256, 7168, 4, 3, 1), (32, 64, 256, 7168, 8, 3, 6), (32, 128, 128, 7168, 8, 3, 1),
+    (32, 128, 128, 7168, 4, 3, 2), (64, 128, 128, 7168, 8, 3, 5), (64, 128, 128, 7168, 8, 3, 2),
+    (16, 64, 256, 1024, 4, 3, 5), (16, 128, 256, 1024, 8, 3, 2), (16, 32, 256, 2048, 4, 3, 1),
+    (1, 64, 256, 3584, 8, 3, 0),
+]
+
+
+def _warm_grouped(cfgs: list) -> str:
+    """Compile the grouped kernels for `cfgs` in a child process (fills the shared Triton cache).
+    16 experts and M = 32: the same integer specialisations (multiples of 16) as the timed shapes."""
+    e, m = 16, 32
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = (torch.randint(-2**31, 2**31 - 1, (e, 2 * I, H // 8), device="cuda", dtype=torch.int32, generator=g),
+         (torch.rand(e, 2 * I, H // 32, device="cuda", generator=g) * 2e-3).to(torch.bfloat16),
+         torch.randint(-2**31, 2**31 - 1, (e, H, I // 8), device="cuda", dtype=torch.int32, generator=g),
+         (torch.rand(e, H, I // 32, device="cuda", generator=g) * 2e-3).to(torch.bfloat16))
+    errs = []
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(m, e, device="cuda").topk(TOPK, -1).indices
+    wts = torch.softmax(torch.randn(m, TOPK, device="cuda"), -1)
+    for c in cfgs:
+        try:
+            moe_gemm.moe_w4a16(x, *w, ids, wts, configs={"gate_up": c, "down": c}, path="grouped")
+        except Exception as exc:
+            errs.append(f"{c}: {exc!r}"[:300])
+    torch.cuda.synchronize()
+    return "; ".join(errs)
+
+
+def moe_grouped_section(log: Log, bw: float, tf: float) -> None:
+    """Grouped split-K path above the decode sizes: compile the sweep in parallel, check each config
+    against the reference, time over 2 weight sets (CUDA graphs), the shipped tiled path as the
+    baseline on the same inputs, pick per M, re-check the picks poisoned on fresh inputs."""
+    import multiprocessing as mp
+
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(min(16, len(GROUPED_SWEEP))) as pool:
+        warm = importlib.import_module("kernels.gpu_check")._warm_grouped
+        errs = pool.map(warm, [[c] for c in GROUPED_SWEEP])
+    log(section="moegrp_compile", wall_s=time.time() - t0, errors=[x for x in errs if x])
+    nset = 2
+    sets = [moe_weights() for _ in range(nset)]  # 2 x 9.5 GB: a call never finds its weights in L2
+    inputs = {m: [(torch.randn(m, H, device="cuda", dtype=torch.bfloat16), *routing(m)) for _ in sets]
+              for m in GROUPED_M}
+    refs = {m: reference.moe_w4a16(inputs[m][0][0], *sets[0], *inputs[m][0][1:]) for m in GROUPED_M}
+    nbytes = {m: sum(int(torch.unique(ids).numel()) * EXPERT_BYTES + 2 * m * H * 2 for _, ids, _ in inputs[m]) / nset
+              for m in GROUPED_M}
+
+    def run(m: int, i: int, cfg: dict | None, path: str) -> torch.Tensor:
+        x, ids, wts = inputs[m][i]
+        return moe_gemm.moe_w4a16(x, *sets[i], ids, wts, configs=cfg, path=path)
+
+    def timed(m: int, cfg: dict | None, path: str) -> float:
+        return bench(lambda: [run(m, i, cfg, path) for i in range(nset)], rep=30) / nset
+
+    def rec(m: int, us: float) -> dict[str, float]:
+        return {"us": us, "gbps": nbytes[m] / us / 1e3, "pct_copy_bw": 100 * nbytes[m] / bw / (us * 1e-6),
+                "floor_us": nbytes[m] / bw * 1e6, "tflops": 2 * m * TOPK * 3 * H * I / (us * 1e-6) / 1e12}
+
+    best: dict[int, tuple[Any, float]] = {}
+    for m in (32, 128, 512, 1024, 64, 256):  # the ends first, in case the budget runs out
+        for c in [None, *GROUPED_SWEEP]:  # None: the shipped tiled path (baseline)
+            if log.time_left() < 30:
+                log(section="moegrp_sweep", m=m, cfg=str(c), skipped="budget")
+                break
+            cfg, path = (None, "tiled") if c is None else ({"gate_up": c, "down": c}, "grouped")
+            try:
+                err = rel_err(run(m, 0, cfg, path), refs[m])
+                if not err < 1e-2:
+                    log(section="moegrp_sweep", m=m, cfg=str(c), rel_err=err, error="wrong result")
+                    continue
+                us = timed(m, cfg, path)
+            except Exception as exc:
+                log(section="moegrp_sweep", m=m, cfg=str(c), error=repr(exc)[-300:])
+                continue
+            log(section="moegrp_sweep", m=m, path=path, cfg=str(c), rel_err=err, **rec(m, us))
+            if c is not None and (m not in best or us < best[m][1]):
+                best[m] = (c, us)
+    poisoned(moe_gemm)
+    for m in GROUPED_M:  # the picks, re-checked on fresh inputs with poisoned buffers
+        if m in best:
+            c, i = best[m][0], m % nset
+            x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+            ids, wts = routing(m)
+            err = rel_err(moe_gemm.moe_w4a16(x, *sets[i], ids, wts, configs={"gate_up": c, "down": c}, path="grouped"),
+                          reference.moe_w4a16(x, *sets[i], ids, wts))
+            log(section="moegrp_pick", m=m, cfg=str(c), rel_err=err, ok=err < 1e-2, **rec(m, best[m][1]))
+    unpoisoned(moe_gemm)
     del sets
 
 
@@ -437,6 +536,7 @@ def main() -> None:
     bw, tf = ceilings(log)
     sections = {"tree": lambda: tree_section(log), "moe": lambda: moe_section(log, bw, tf),
                 "moedec": lambda: moe_decode_section(log, bw, tf),
+                "moegrp": lambda: moe_grouped_section(log, bw, tf),
                 "mla": lambda: mla_section(log, bw, tf)}
     for name in a.only.split(","):
         t0 = time.time()

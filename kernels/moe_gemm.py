@@ -1,21 +1,25 @@
-"""W4A16 MoE grouped GEMM (K2 INT4 format) in two Triton launches plus a k-way sum.
+"""W4A16 MoE grouped GEMM (K2 INT4 format): three paths, picked by M * top-k.
 
-Alignment runs on the GPU with torch ops (sort, scatter_add, cumsum, searchsorted): no host sync
-(bincount would read its max back to the host).
-Each program owns one (expert, block of <= BM tokens routed to it, BN output columns) tile, so an
-expert's weight tile is read once per token block: at decode sizes that is once, which makes the
-kernel a stream over the unique experts' packed weights.
+Tiled (path="tiled", the v3 baseline kept for comparison): alignment on the GPU with torch ops
+(sort, scatter_add, cumsum, searchsorted): no host sync (bincount would read its max back to the
+host). Each program owns one (expert, block of <= BM tokens routed to it, BN output columns) tile
+over all of K, in two Triton launches plus a k-way sum:
 
   gate_up: h[slot] = silu(x[tok] . gate_e) * (x[tok] . up_e)          (SiLU x up in the epilogue)
   down:    y[slot] = topk_weight[slot] * (h[slot] . W2_e)             (routing weight in the epilogue)
   out[m]   = sum_j y[m*k + j]
 
-Decode (at most SPLIT_MAX_SLOTS token-expert slots) takes the split-K path instead: every program
+Decode (at most SPLIT_MAX_SLOTS token-expert slots) takes the split-K path: every program
 finds its (expert, <= BM slots) block itself from topk_ids in registers (no alignment launches), then
 streams one [BN rows, KS of K] chunk of that expert's weights (about a thousand programs at M = 1,
 each reading 64-112 KB), fp32 partial sums per K split, combined by two tiny kernels (SiLU x up after
 gate_up; routing-weighted sum over splits and top-k after down). Four Triton launches and one
 activation permute copy, no host sync.
+
+Above that (path="grouped", the default there) the same split-K kernel takes its blocks from the
+tiled path's GPU alignment instead (any slot count; BM slots of one expert, so each weight tile is
+dequantized once per block), with fp32 partials and the same two combine kernels: on the H200 about
+2x the tiled path at M = 32..1024 (NOTES.md, run 5).
 """
 
 from __future__ import annotations
@@ -261,17 +265,23 @@ def _launch(a: Tensor, wq: Tensor, ws: Tensor, out: Tensor, tw: Tensor, al: tupl
 
 def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor,
               topk_ids: Tensor, topk_weights: Tensor, configs: dict | None = None,
-              split: bool | None = None) -> Tensor:
-    """Triton MoE. `split` picks the split-K decode path (default: M * top-k <= SPLIT_MAX_SLOTS);
-    `configs` overrides the path's config (SPLIT_CONFIGS / CONFIGS[regime]; the GPU sweep uses it)."""
+              path: str | None = None) -> Tensor:
+    """Triton MoE. `path`: "split" (decode split-K, blocks found in registers; default when
+    M * top-k <= SPLIT_MAX_SLOTS), "grouped" (split-K over GPU-aligned expert blocks; default above),
+    "tiled" (one program per tile over all of K). `configs` overrides the path's config (the GPU sweep uses it)."""
     m, h = x.shape
     e, two_i, _ = w13_q.shape
     inter = two_i // 2
     topk = topk_ids.shape[1]
     x = x.contiguous()
     tw = topk_weights.reshape(-1).float().contiguous()
-    if split if split is not None else m * topk <= SPLIT_MAX_SLOTS:
-        return _moe_split(x, w13_q, w13_s, w2_q, w2_s, topk_ids, tw, configs or split_config(m))
+    path = path or ("split" if m * topk <= SPLIT_MAX_SLOTS else "grouped")
+    if path == "split":
+        return _moe_split(x, w13_q, w13_s, w2_q, w2_s, topk_ids, tw, configs or split_config(m), False)
+    if path == "grouped":
+        return _moe_split(x, w13_q, w13_s, w2_q, w2_s, topk_ids, tw, configs or grouped_config(m), True)
+    if path != "tiled":
+        raise ValueError(f"moe_w4a16: unknown path {path!r}")
     cfg = configs or CONFIGS[regime(m, topk, e)]
     hbuf = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)
     ybuf = torch.empty(m * topk, h, dtype=x.dtype, device=x.device)
@@ -289,7 +299,9 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
 # BM slots per block, BN weight rows, BK of K per step, KS of K per program.
 # DOT 0: FMA GEMV, one slot per block (BM must be 1); the activation is pre-permuted so that its
 #   int32 pairs line up with the weight words (same [BN, BK/8] layout: no shared-memory shuffles).
-# DOT 1: plane dots on the MMA units, slots padded to 16.
+# DOT 1: plane dots on the MMA units, slots padded to 16; DOT 2: dequantize + interleave to [BN, BK]
+#   and one tl.dot against contiguous activations; + 4 (DOT 5 / 6): words and scales loaded one step
+#   ahead into registers (double-buffered).
 SplitConfig = tuple[int, int, int, int, int, int, int]
 SPLIT_MAX_SLOTS = 128  # M * top-k up to this goes split-K (M <= 16 at K2's top-8)
 # H200 sweep (NOTES.md, run 4): the same config was the fastest verified one at every M = 1..16.
@@ -301,6 +313,22 @@ SPLIT_CONFIGS: dict[int, dict[str, SplitConfig]] = {
 def split_config(m: int) -> dict[str, SplitConfig]:
     """The config of the smallest M bucket that holds m."""
     return SPLIT_CONFIGS[min((b for b in SPLIT_CONFIGS if b >= m), default=max(SPLIT_CONFIGS))]
+
+
+# Grouped split-K (above SPLIT_MAX_SLOTS): the same kernel with its blocks from align() (BM slots of
+# one expert, so each weight tile is dequantized once per block), by the largest M of the bucket;
+# M above the last bucket takes the last. H200 sweep (NOTES.md, run 5): the fastest verified config
+# at M = 32, 64, 128, 256, 512, 1024 (KS 7168 = all of K: no K split won at these sizes).
+GROUPED_CONFIGS: dict[int, dict[str, SplitConfig]] = {
+    32: {"gate_up": (1, 64, 256, 3584, 8, 3, 0), "down": (1, 64, 256, 3584, 8, 3, 0)},
+    512: {"gate_up": (16, 128, 128, 7168, 4, 3, 1), "down": (16, 128, 128, 7168, 4, 3, 1)},
+    1024: {"gate_up": (32, 128, 128, 7168, 4, 3, 2), "down": (32, 128, 128, 7168, 4, 3, 2)},
+}
+
+
+def grouped_config(m: int) -> dict[str, SplitConfig]:
+    """The grouped config of the smallest M bucket that holds m."""
+    return GROUPED_CONFIGS[min((b for b in GROUPED_CONFIGS if b >= m), default=max(GROUPED_CONFIGS))]
 
 
 @triton.jit
@@ -322,6 +350,21 @@ def _block_slots(ids_ptr, b, S, BM: tl.constexpr, SP: tl.constexpr):
     slot = tl.sum(tl.where(member, s[None, :], 0), axis=1)
     valid = tl.sum(member.to(tl.int32), axis=1) > 0
     return e, slot, valid
+
+
+@triton.jit
+def _aligned_slots(slots_ptr, seg_ptr, cnt_ptr, bexp_ptr, bms_ptr, b, E, BM: tl.constexpr):
+    """Block b of align()'s table: (expert or -1 for an unused block, slots, valid)."""
+    e = tl.load(bexp_ptr + b)
+    live = e < E
+    ec = tl.minimum(e, E - 1)
+    mstart = tl.load(bms_ptr + b)
+    seg = tl.load(seg_ptr + ec)
+    cnt = tl.load(cnt_ptr + ec)
+    j = tl.arange(0, BM)
+    valid = live & (mstart + j < cnt)
+    slot = tl.load(slots_ptr + seg + mstart + j, mask=valid, other=0)
+    return tl.where(live, e, -1), slot, valid
 
 
 @triton.jit
@@ -366,16 +409,21 @@ def _word_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, magic):
 
 @triton.jit(do_not_specialize=["S"])
 def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_rows_per_slot, magic,
-                WEIGHTED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                slots_ptr, seg_ptr, cnt_ptr, bexp_ptr, bms_ptr, E,
+                ALIGNED: tl.constexpr, WEIGHTED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 KS: tl.constexpr, SP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr):
     """part[split, slot, n] = a[row(slot), chunk] . W_e[n, chunk] (x routing weight if WEIGHTED) for
     one (block, BN rows, KS chunk of K). Words load as [BN, BK/8] (BK/2 contiguous bytes a row),
     scales as [BN, BK/32] once per step and broadcast to their 4 words in registers.
-    DOT 0: a_ptr is the activation as int32 pairs, permuted per BK chunk (see _permute)."""
+    DOT 0: a_ptr is the activation as int32 pairs, permuted per BK chunk (see _permute).
+    ALIGNED: block b comes from align()'s table (any slot count) instead of _block_slots."""
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
-    e, slot, valid = _block_slots(ids_ptr, b, S, BM, SP)
+    if ALIGNED:
+        e, slot, valid = _aligned_slots(slots_ptr, seg_ptr, cnt_ptr, bexp_ptr, bms_ptr, b, E, BM)
+    else:
+        e, slot, valid = _block_slots(ids_ptr, b, S, BM, SP)
     if e >= 0:
         W: tl.constexpr = BK // 8
         G: tl.constexpr = BK // 32
@@ -385,24 +433,42 @@ def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_row
         wrow = e.to(tl.int64) * N + rn
         wq = wq_ptr + wrow[:, None] * (K // 8) + kbeg // 8 + rw[None, :]
         ws = ws_ptr + wrow[:, None] * (K // 32) + kbeg // 32 + tl.arange(0, G)[None, :]
-        if DOT:
+        if DOT & 3:
             arow = (slot // a_rows_per_slot).to(tl.int64)
-            ap = a_ptr + arow[None, :] * K + kbeg + 8 * rw[:, None]  # [W, BM]: plane j = ap + j
+            if (DOT & 3) == 2:
+                ap = a_ptr + arow[None, :] * K + kbeg + tl.arange(0, BK)[:, None]  # [BK, BM]
+            else:
+                ap = a_ptr + arow[None, :] * K + kbeg + 8 * rw[:, None]  # [W, BM]: plane j = ap + j
             xm = valid[None, :]
             acc = tl.zeros((BN, BM), dtype=tl.float32)
+            if DOT & 4:
+                words_next = tl.load(wq)
+                sc_next = tl.load(ws)
             for k0 in range(0, KS, BK):
-                words = tl.load(wq + k0 // 8)
-                sc = tl.load(ws + k0 // 32)
+                if DOT & 4:  # registers double-buffered: the next step's loads fly during this step
+                    words = words_next
+                    sc = sc_next
+                    kn = tl.minimum(k0 + BK, KS - BK)
+                    words_next = tl.load(wq + kn // 8)
+                    sc_next = tl.load(ws + kn // 32)
+                else:
+                    words = tl.load(wq + k0 // 8)
+                    sc = tl.load(ws + k0 // 32)
                 sw = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, G, 4)), (BN, W))
-                x0 = tl.load(ap + k0 + 0, mask=xm, other=0.0)
-                x1 = tl.load(ap + k0 + 1, mask=xm, other=0.0)
-                x2 = tl.load(ap + k0 + 2, mask=xm, other=0.0)
-                x3 = tl.load(ap + k0 + 3, mask=xm, other=0.0)
-                x4 = tl.load(ap + k0 + 4, mask=xm, other=0.0)
-                x5 = tl.load(ap + k0 + 5, mask=xm, other=0.0)
-                x6 = tl.load(ap + k0 + 6, mask=xm, other=0.0)
-                x7 = tl.load(ap + k0 + 7, mask=xm, other=0.0)
-                acc = _plane_dots(words, sw, x0, x1, x2, x3, x4, x5, x6, x7, acc, a_ptr.dtype.element_ty, ASM)
+                if (DOT & 3) == 2:
+                    w = _dequant(words, sw, a_ptr.dtype.element_ty, ASM)
+                    acc = tl.dot(w, tl.load(ap + k0, mask=xm, other=0.0), acc)
+                else:
+                    x0 = tl.load(ap + k0 + 0, mask=xm, other=0.0)
+                    x1 = tl.load(ap + k0 + 1, mask=xm, other=0.0)
+                    x2 = tl.load(ap + k0 + 2, mask=xm, other=0.0)
+                    x3 = tl.load(ap + k0 + 3, mask=xm, other=0.0)
+                    x4 = tl.load(ap + k0 + 4, mask=xm, other=0.0)
+                    x5 = tl.load(ap + k0 + 5, mask=xm, other=0.0)
+                    x6 = tl.load(ap + k0 + 6, mask=xm, other=0.0)
+                    x7 = tl.load(ap + k0 + 7, mask=xm, other=0.0)
+                    acc = _plane_dots(words, sw, x0, x1, x2, x3, x4, x5, x6, x7, acc, a_ptr.dtype.element_ty,
+                                      ASM)
         else:
             tl.static_assert(BM == 1)
             arow = (tl.sum(slot, axis=0) // a_rows_per_slot).to(tl.int64)
@@ -467,8 +533,8 @@ def _plan(cfg: SplitConfig, n: int, k: int, on_gpu: bool) -> SplitConfig:
     while k % ks and ks > 32:  # small models (the engine's k2-mini): the largest chunk that tiles
         ks //= 2
     bk = min(bk, ks)
-    if dot and bk < 128 and on_gpu:
-        dot = 0  # plane dots need K >= 16 per plane on the GPU
+    if (dot & 3) == 1 and bk < 128 and on_gpu:
+        dot += 1  # plane dots need K >= 16 per plane on the GPU: one interleaved dot instead
     bm = max(bm, 16) if dot else 1  # tl.dot needs 16 columns (padding slots masked); FMA: one slot
     if n % bn or k % ks or ks % bk or bk % 32:
         raise ValueError(f"moe_w4a16: N={n}, K={k} do not tile by BN={bn}, KS={ks}, BK={bk}")
@@ -482,22 +548,27 @@ def _permute(a: Tensor, bk: int) -> Tensor:
 
 
 def _split_launch(a: Tensor, ids: Tensor, wq: Tensor, ws: Tensor, tw: Tensor, n: int, k: int,
-                  a_rows_per_slot: int, weighted: bool, plan: SplitConfig, bf16: bool) -> Tensor:
-    """fp32 partials [K / KS, slots, n] of one split-K pass."""
+                  a_rows_per_slot: int, weighted: bool, plan: SplitConfig, bf16: bool, al: tuple | None) -> Tensor:
+    """fp32 partials [K / KS, slots, n] of one split-K pass; blocks from align()'s table `al` if given."""
     bm, bn, bk, ks, warps, stages, dot = plan
     s = ids.numel()
     experts = wq.shape[0]
-    blocks = min(s, min(experts, s) + s // bm)  # leaders: one per BM slots of each expert
+    if al is None:
+        blocks = min(s, min(experts, s) + s // bm)  # leaders: one per BM slots of each expert
+        slots = seg = cnt = bexp = bms = ids
+    else:
+        slots, seg, cnt, bexp, bms, blocks = al
     part = torch.empty(k // ks, s, n, dtype=torch.float32, device=wq.device)
     _moe_splitk[(blocks, n // bn, k // ks)](
-        a, ids, wq, ws, part, tw, s, n, k, a_rows_per_slot, 0x4B000000, WEIGHTED=weighted, BM=bm, BN=bn, BK=bk, KS=ks,
-        SP=32 if s <= 32 else triton.next_power_of_2(s), DOT=dot,  # two variants up to 128 slots
+        a, ids, wq, ws, part, tw, s, n, k, a_rows_per_slot, 0x4B000000, slots, seg, cnt, bexp, bms, experts,
+        ALIGNED=al is not None, WEIGHTED=weighted, BM=bm, BN=bn, BK=bk, KS=ks,
+        SP=32 if s <= 32 or al is not None else triton.next_power_of_2(s), DOT=dot,  # two variants up to 128 slots
         ASM=bool(dot and bf16 and wq.is_cuda), BF16=bf16, num_warps=warps, num_stages=stages)
     return part
 
 
 def _moe_split(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor, topk_ids: Tensor,
-               tw: Tensor, cfg: dict[str, SplitConfig]) -> Tensor:
+               tw: Tensor, cfg: dict[str, SplitConfig], aligned: bool) -> Tensor:
     m, h = x.shape
     inter = w13_q.shape[1] // 2
     topk = topk_ids.shape[1]
@@ -506,14 +577,17 @@ def _moe_split(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tens
     ids = topk_ids.reshape(-1).contiguous()
     gu_plan = _plan(cfg["gate_up"], 2 * inter, h, x.is_cuda)
     dn_plan = _plan(cfg["down"], h, inter, x.is_cuda)
+    e = w13_q.shape[0]
+    gu_al = align(topk_ids, e, gu_plan[0]) if aligned else None
+    dn_al = (gu_al if dn_plan[0] == gu_plan[0] else align(topk_ids, e, dn_plan[0])) if aligned else None
     a = x if gu_plan[6] else _permute(x, gu_plan[2])
-    gu = _split_launch(a, ids, w13_q, w13_s, tw, 2 * inter, h, topk, False, gu_plan, bf16)
+    gu = _split_launch(a, ids, w13_q, w13_s, tw, 2 * inter, h, topk, False, gu_plan, bf16, gu_al)
     hbuf = torch.empty(s, inter, dtype=x.dtype, device=x.device)
     block = 1024
     _silu_mul[(triton.cdiv(s * inter, block),)](gu, hbuf, s, inter, SPLITS=gu.shape[0],
                                                PERM=0 if dn_plan[6] else dn_plan[2], BLOCK=block)
     a = hbuf if dn_plan[6] else hbuf.view(torch.int32)
-    dn = _split_launch(a, ids, w2_q, w2_s, tw, h, inter, 1, True, dn_plan, bf16)
+    dn = _split_launch(a, ids, w2_q, w2_s, tw, h, inter, 1, True, dn_plan, bf16, dn_al)
     out = torch.empty(m, h, dtype=x.dtype, device=x.device)
     _sum_slots[(triton.cdiv(m * h, block),)](dn, out, m, s, h, TOPK=topk, SPLITS=dn.shape[0], BLOCK=block)
     return out

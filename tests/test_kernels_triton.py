@@ -69,7 +69,7 @@ def test_moe_matches_reference(m: int, expand: int, prefetch: int) -> None:
     cfg = (16, 32, 128, 4, 1, expand, prefetch)
     poisoned(moe_gemm)
     try:
-        out = moe_gemm.moe_w4a16(x, *w13, *w2, ids, wts, configs={"gate_up": cfg, "down": cfg}, split=False)
+        out = moe_gemm.moe_w4a16(x, *w13, *w2, ids, wts, configs={"gate_up": cfg, "down": cfg}, path="tiled")
     finally:
         unpoisoned(moe_gemm)
     assert out.dtype == torch.float16 and out.shape == (m, h)
@@ -97,6 +97,35 @@ def test_moe_split_k_matches_reference(m: int, e: int, dot: int) -> None:
     poisoned(moe_gemm)
     try:
         out = moe_gemm.moe_w4a16(x, *w13, *w2, ids, wts, configs={"gate_up": cfg, "down": cfg})
+    finally:
+        unpoisoned(moe_gemm)
+    assert out.dtype == torch.float16 and out.shape == (m, h)
+    assert _rel(out, reference.moe_w4a16(x, *w13, *w2, ids, wts)) < 1e-2
+
+
+@inner
+@pytest.mark.parametrize("m,gu,dn", [(50, (16, 32, 64, 128, 4, 1, 1), (32, 64, 64, 64, 4, 1, 2)),
+                                     (19, (32, 64, 128, 256, 4, 1, 6), (1, 32, 64, 128, 4, 1, 0)),
+                                     (40, (16, 32, 64, 128, 4, 1, 5), (16, 32, 32, 64, 4, 1, 6))])
+def test_moe_grouped_matches_reference(m: int, gu: tuple, dn: tuple) -> None:
+    """The grouped split-K path: blocks from align() (m=50: 150 slots over 8 experts, so several
+    blocks an expert and unused tail blocks), plane dots / one interleaved dot / FMA, each dot with
+    and without the register double-buffer (DOT + 4), K splits in both passes (down at m=50: KS 64
+    of 128), different BM per pass (two alignments)."""
+    from kernels import moe_gemm, reference
+    from kernels.gpu_check import poisoned, unpoisoned
+    from kernels.int4 import quantize_w4
+
+    g = torch.Generator().manual_seed(300 + m)
+    e, h, inter, k = 8, 256, 128, 3
+    w13 = quantize_w4(torch.randn(e, 2 * inter, h, generator=g) * 0.1)
+    w2 = quantize_w4(torch.randn(e, h, inter, generator=g) * 0.1)
+    x = torch.randn(m, h, generator=g).half()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)])
+    wts = torch.rand(m, k, generator=g)
+    poisoned(moe_gemm)
+    try:
+        out = moe_gemm.moe_w4a16(x, *w13, *w2, ids, wts, configs={"gate_up": gu, "down": dn}, path="grouped")
     finally:
         unpoisoned(moe_gemm)
     assert out.dtype == torch.float16 and out.shape == (m, h)
