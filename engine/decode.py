@@ -1,8 +1,8 @@
 """Decode loops: the target's plain greedy decoding and DDTree speculative decoding, batched.
 
-Both share prefill (one sequence at a time, so prompts of different lengths need no padding)
-and the same latent cache, so the lossless property is a like-for-like comparison: DDTree's
-greedy output must equal `greedy` token for token.
+Both share prefill (one batched forward over right-padded prompts) and the same latent cache,
+so the lossless property is a like-for-like comparison: DDTree's greedy output must equal
+`greedy` token for token.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ class Clock:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def skip(self) -> None:
+        """Start the next lap now: the time since the last one belongs to no stage (harness work)."""
+        self.t = self.now()
+
     def lap(self) -> float:
         t, self.t = self.t, self.now()
         return self.t - t
@@ -43,30 +47,12 @@ class DecodeResult:
     """Generated tokens per sequence (the first comes from prefill) and the timings behind them."""
 
     tokens: list[list[int]]
-    ttft_s: list[float]  # per sequence, from the start of the call to its first token
-    decode_s: float = 0.0  # wall time of the step loop
+    ttft_s: list[float]  # per sequence, from the start of the call to its first token (batched prefill)
+    decode_s: float = 0.0  # wall time of the step loop (DDTree: the sum of its steps, hint work excluded)
     step_s: list[float] = field(default_factory=list)
     stage_s: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
     accept_len: list[list[int]] = field(default_factory=list)  # per step, per unfinished sequence
     emitted: list[list[int]] = field(default_factory=list)  # tokens each unfinished sequence got per step
-
-
-class Oracle:
-    """The target's known greedy continuation per sequence, served as hints to a steered drafter."""
-
-    def __init__(self, trajectories: list[list[int]], device: torch.device):
-        n = max(len(t) for t in trajectories)
-        self.traj = torch.full((len(trajectories), n), -1, dtype=torch.int64)
-        for b, t in enumerate(trajectories):
-            self.traj[b, : len(t)] = torch.tensor(t, dtype=torch.int64)
-        self.traj = self.traj.to(device)
-
-    def hints(self, generated: Tensor, length: int) -> Tensor:
-        """[Bt] tokens generated so far (incl. the bonus) -> [Bt, L] the next L target tokens (-1 past the end)."""
-        idx = generated.unsqueeze(1) + torch.arange(length, device=generated.device)
-        n = self.traj.shape[1]
-        hint = self.traj[: generated.shape[0]].gather(1, idx.clamp(max=n - 1))
-        return torch.where(idx < n, hint, torch.full_like(hint, -1))
 
 
 class Decoder:
@@ -78,25 +64,52 @@ class Decoder:
 
     def _prefill(self, prompts: list[list[int]], capacity: int, clock: Clock,
                  ttft: list[float]) -> tuple[LatentCache, Tensor, Tensor]:
-        """Fill the cache per sequence; return (cache, first tokens [Bt], last hidden [Bt, H])."""
+        """Fill the cache in one batched forward; return (cache, first tokens [Bt], last hidden [Bt, H]).
+
+        Prompts are right-padded to the longest: under the causal mask a real token sees only
+        earlier (real) tokens, so padding changes no real row; the padded rows land past each
+        sequence's length, where the first decode or verify overwrites them.
+        """
         m, dev = self.model, self.device
-        cache = LatentCache.empty(m.cfg, len(prompts), capacity, dev, m.dtype)
-        bonus = torch.zeros(len(prompts), dtype=torch.int64, device=dev)
-        feat = torch.zeros(len(prompts), m.cfg.hidden, dtype=m.dtype, device=dev)
-        t0 = clock.t
+        bt, t = len(prompts), max(map(len, prompts))
+        cache = LatentCache.empty(m.cfg, bt, capacity, dev, m.dtype)
+        tok = torch.zeros(bt, t, dtype=torch.int64)
         for b, p in enumerate(prompts):
-            tok = torch.tensor([p], dtype=torch.int64, device=dev)
-            t = len(p)
-            view = LatentCache(cache.ckv[:, b:b + 1], cache.kpe[:, b:b + 1], cache.lens[b:b + 1])
-            causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().unsqueeze(0)
-            pos = torch.arange(t, device=dev).unsqueeze(0)
-            logits, hidden = m.forward(tok, pos, view, causal, last_only=True)
-            view.lens += t
-            bonus[b] = logits[0, -1].argmax()
-            feat[b] = hidden[0, -1]
-            ttft.append(clock.now() - t0)
+            tok[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=dev)
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(bt, t, t).contiguous()
+        pos = torch.arange(t, device=dev).expand(bt, t).contiguous()
+        t0 = clock.t
+        logits, hidden = m.forward(tok.to(dev), pos, cache, causal, pick=lens - 1)
+        cache.lens += lens
+        bonus, feat = logits[:, 0].argmax(-1), hidden[:, 0]
+        ttft.extend([clock.now() - t0] * bt)
         clock.lap()
         return cache, bonus, feat
+
+    def _decode_one(self, cache: LatentCache, tok: Tensor) -> Tensor:
+        """One plain greedy step for every sequence: tok [Bt] at row lens -> next token [Bt]."""
+        one = torch.ones(tok.shape[0], 1, 1, dtype=torch.bool, device=self.device)
+        logits, _ = self.model.forward(tok.unsqueeze(1), cache.lens.unsqueeze(1), cache, one)
+        cache.lens += 1
+        return logits[:, -1].argmax(-1)
+
+    def _continuation(self, cache: LatentCache, bonus: Tensor, n: int) -> Tensor:
+        """The target's own greedy n tokens after each bonus [Bt] -> [Bt, n]: the steering hints.
+
+        Decoded from the live cache (the rows the verify accepted), so hints always describe the
+        state the next verify judges: where bf16 roundings of a one-token decode and a batched
+        verify disagree, that step accepts less, instead of every later hint of the sequence
+        following a trajectory it has left. The rows it writes past `lens` are scratch: every
+        forward writes the rows past `lens` it reads, so none of them is read stale.
+        """
+        lens = cache.lens.clone()
+        out, tok = [], bonus
+        for _ in range(n):
+            tok = self._decode_one(cache, tok)
+            out.append(tok)
+        cache.lens.copy_(lens)
+        return torch.stack(out, 1)
 
     def greedy(self, prompts: list[list[int]], max_new: int) -> DecodeResult:
         """The target's own greedy decoding, one token per sequence per step."""
@@ -104,12 +117,9 @@ class Decoder:
         res = DecodeResult(tokens=[], ttft_s=[])
         cache, bonus, _ = self._prefill(prompts, max(map(len, prompts)) + max_new + 1, clock, res.ttft_s)
         out = [[t] for t in bonus.tolist()]
-        one = torch.ones(len(prompts), 1, 1, dtype=torch.bool, device=self.device)
         start = clock.t
         for _ in range(max_new - 1):
-            logits, _ = self.model.forward(bonus.unsqueeze(1), cache.lens.unsqueeze(1), cache, one)
-            cache.lens += 1
-            bonus = logits[:, -1].argmax(-1)
+            bonus = self._decode_one(cache, bonus)
             for b, t in enumerate(bonus.tolist()):
                 out[b].append(t)
             res.step_s.append(clock.lap())
@@ -118,23 +128,26 @@ class Decoder:
         return res
 
     def speculative(self, prompts: list[list[int]], max_new: int, budget: int,
-                    oracle: Oracle | None = None, level: float = 0.0) -> DecodeResult:
-        """DDTree: draft L positions, build a B-node tree, verify it in one forward, accept, compact."""
+                    level: float = 0.0) -> DecodeResult:
+        """DDTree: draft L positions, build a B-node tree, verify it in one forward, accept, compact.
+
+        level > 0 steers the drafter toward the target's continuation (synthetic acceptance,
+        see engine.drafter); computing those hints is harness work, left out of every timing.
+        """
         if self.drafter is None:
             raise ValueError("speculative decoding needs a drafter")
         m, dr, dev = self.model, self.drafter, self.device
         cfg = m.cfg
         clock = Clock(dev)
         res = DecodeResult(tokens=[], ttft_s=[])
-        capacity = max(map(len, prompts)) + max_new + budget + cfg.draft_len + 2
+        capacity = max(map(len, prompts)) + max_new + budget + 2 * cfg.draft_len + 2
         cache, bonus, feat = self._prefill(prompts, capacity, clock, res.ttft_s)
         bt = len(prompts)
         out = [[t] for t in bonus.tolist()]
-        generated = torch.ones(bt, dtype=torch.int64, device=dev)
         active = torch.ones(bt, dtype=torch.int64, device=dev)
-        start = clock.t
         while min(map(len, out)) < max_new:
-            hints = oracle.hints(generated, cfg.draft_len) if oracle is not None else None
+            hints = self._continuation(cache, bonus, cfg.draft_len) if level > 0 else None
+            clock.skip()
             lp, tok = dr.draft(feat, bonus, hints, level)
             res.stage_s["draft"].append(clock.lap())
             tree = ops.build_tree(lp, tok, bonus, budget, impl=m.impl)
@@ -147,7 +160,6 @@ class Decoder:
             last = path.gather(1, acc.unsqueeze(1))
             feat = hidden.gather(1, last.unsqueeze(-1).expand(-1, -1, cfg.hidden)).squeeze(1)
             emitted = tree.tokens.gather(1, path.clamp(min=0))
-            generated += (acc + 1) * active
             acc_l, emitted_l, bonus_l = acc.tolist(), emitted.tolist(), bonus.tolist()
             res.stage_s["accept"].append(clock.lap())
             live = [b for b in range(bt) if len(out[b]) < max_new]
@@ -157,6 +169,6 @@ class Decoder:
             res.accept_len.append([acc_l[b] for b in live])
             res.emitted.append([acc_l[b] + 1 for b in live])
             res.step_s.append(clock.lap() + sum(res.stage_s[s][-1] for s in STAGES))
-        res.decode_s = clock.t - start
+        res.decode_s = sum(res.step_s)
         res.tokens = [o[:max_new] for o in out]
         return res

@@ -5,6 +5,14 @@ output taken back through W_UV), so the cache holds only the latent `ckv` and th
 `kpe`. Routed experts are stored in K2's INT4 format and run through `kernels.ops.moe_w4a16`;
 attention through `kernels.ops.mla_tree_attention`. One forward serves prefill (causal mask),
 plain decode (T = 1) and tree verify (ancestor mask, positions = start + depth).
+
+Planted successor: random weights alone give near-flat logits over a large vocab, whose argmax
+flips with bf16 rounding (a batched verify and a one-token decode round differently), so the
+target's greedy continuation would depend on batch shape. Each lm-head row succ[t] (succ a seeded
+permutation) therefore gets PLANT_GAIN * embed[t] / |embed[t]| / sqrt(hidden): the last token's
+embedding, still present in the residual stream, lifts its successor by ~PLANT_GAIN * cos(x, embed)
+(several logits at K2 dims) above the random rest. The greedy choice is then stable across batch
+shapes and dtypes while attention and the experts still compute every logit.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from kernels.int4 import GROUP, PACK
 
 # Mean square of a uniform INT4 code in [-8, 7]: scales chosen so a routed expert keeps unit gain.
 _INT4_MS = sum(q * q for q in range(-8, 8)) / 16
+# Logit lift of the planted successor per unit cosine between the final hidden and the token's embedding.
+PLANT_GAIN = 20.0
 
 
 class Init:
@@ -141,6 +151,10 @@ class TargetModel:
             self.layers.append(lw)
         self.final_norm = ini.ones(h)
         self.lm_head = ini.linear(cfg.vocab, h)
+        self.successor = torch.randperm(cfg.vocab, generator=ini.gen, device=device)
+        plant = F.normalize(self.embed.float(), dim=-1).mul_(PLANT_GAIN / math.sqrt(h))
+        self.lm_head.index_add_(0, self.successor, plant.to(dtype))
+        del plant
         self.sm_scale = 1.0 / math.sqrt(cfg.qk_dim)
 
     def route(self, x: Tensor, lw: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -178,11 +192,12 @@ class TargetModel:
         return (routed + swiglu(flat, lw["sh_w13"], lw["sh_w2"])).view(shape)
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: LatentCache, tree_mask: Tensor,
-                last_only: bool = False) -> tuple[Tensor, Tensor]:
+                pick: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """tokens/positions [Bt, T] sit at cache rows lens .. lens+T-1 (the cache's lens is not moved).
 
-        Returns (logits [Bt, T or 1, V], hidden [Bt, T or 1, H]) with hidden the last layer's
-        output before the final norm, which the drafter conditions on.
+        Returns (logits [Bt, T, V], hidden [Bt, T, H]) with hidden the last layer's output before
+        the final norm, which the drafter conditions on; with `pick` ([Bt] row per sequence, e.g.
+        each prompt's last token in a padded prefill) only that row: [Bt, 1, V] and [Bt, 1, H].
         """
         x = self.embed[tokens]
         rows = cache.lens.unsqueeze(1) + torch.arange(tokens.shape[1], device=tokens.device)
@@ -190,6 +205,6 @@ class TargetModel:
             x = x + self._attention(rms_norm(x, lw["attn_norm"], self.cfg.norm_eps), lw, li, positions,
                                     cache, rows, tree_mask)
             x = x + self._ffn(rms_norm(x, lw["ffn_norm"], self.cfg.norm_eps), lw)
-        if last_only:
-            x = x[:, -1:]
+        if pick is not None:
+            x = x.gather(1, pick.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
         return F.linear(rms_norm(x, self.final_norm, self.cfg.norm_eps), self.lm_head), x
