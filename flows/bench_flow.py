@@ -2,11 +2,13 @@
 
 One run of `bench`:
     load the host -> retired? -------------------------------------------> project -> notes
+                  -> address still a placeholder? -----------------------> project -> notes
     probe (pinned key, bounded retries for unreachable/timeout)
       unauthorized | host_key_changed -> retire in the YAML -----------> project -> notes
       unreachable | timeout -> count it (released after N runs) --------> project -> notes
       ok -> deploy -> build -> bench kernels -> e2e (-> comm) -> pull -> ingest -> notes
-Every branch ends COMPLETED with notes; only a failed build or a real bug ends FAILED.
+Every branch ends COMPLETED with notes; only a failed build or a real bug ends FAILED. A reachable
+host is never projected: when nothing of its run could be ingested, the notes keep its last data.
 
 Two runs on one host never overlap: the flow holds the Prefect global concurrency limit
 `kdbench-host-<host>` (limit 1, created on first use) for the whole run. It lives on the Prefect
@@ -41,7 +43,7 @@ from flows import deploy as deploy_mod
 from flows import notes as notes_mod
 from flows import projection
 from flows.inventory import Host, host_path, load_host, load_inventory, now, retire, update_host
-from flows.pull import Pulled, pull, quarantine
+from flows.pull import Pulled, pull, quarantine, record_unfinished
 from flows.settings import Settings
 from flows.ssh import ProbeResult, Remote, RemoteError, probe
 from flows.store import Store
@@ -327,6 +329,8 @@ def _measure(s: Settings, store: Store, host: Host, suites: list[str], profile: 
                 break
         with tempfile.TemporaryDirectory(prefix="kdbench-pull-") as tmp:
             pulled = pull_results(remote, out_dir, Path(tmp))
+            unfinished = {r.suite: r.status for r in report.suites if r.status in ("timeout", "failed")}
+            record_unfinished(pulled, run_id, host.name, profile, unfinished, dep.payload_hash)
             report.quarantined = pulled.quarantined
             report.results = ingest(store, host.name, run_id, pulled)
     if report.results is None:

@@ -47,27 +47,30 @@ def _git(*args: str, cwd: Path) -> str:
 
 
 def _inventory(state: Path) -> Path:
-    """The sandbox host plus the shipped B300 file, which must be retired: it is never contacted."""
+    """The sandbox host plus the shipped files of B300 (to project) and H200 (the reference it is
+    projected from), each only when retired: the demo never contacts a real machine."""
     hosts = sandbox.up(names=[SANDBOX_HOST], state_dir=state / "sandbox")
-    try:
-        b300 = load_host(REPO / "hosts", RETIRED_HOST)
-    except InventoryError as e:
-        print(f"   {RETIRED_HOST} left out: {e}")
-        return hosts
-    if b300.status != "retired":
-        print(f"   {RETIRED_HOST} left out: hosts/{RETIRED_HOST}.yaml is active, and the demo contacts only sandbox hosts")
-        return hosts
-    shutil.copy(REPO / "hosts" / f"{RETIRED_HOST}.yaml", hosts / f"{RETIRED_HOST}.yaml")
+    for name in (RETIRED_HOST, REFERENCE):
+        try:
+            host = load_host(REPO / "hosts", name)
+        except InventoryError as e:
+            print(f"   {name} left out: {e}")
+            continue
+        if host.status != "retired":
+            print(f"   {name} left out: hosts/{name}.yaml is active, and the demo contacts only sandbox hosts")
+            continue
+        shutil.copy(REPO / "hosts" / f"{name}.yaml", hosts / f"{name}.yaml")
     return hosts
 
 
-def _reference(artifacts: Path) -> str:
+def _reference(hosts: Path, artifacts: Path) -> str:
     """The committed reference dataset when the checkout has one, else the sandbox run itself."""
     src = REPO / "artifacts" / "reference" / REFERENCE
-    if (src / "runs.arrow").is_file():
+    if (src / "runs.arrow").is_file() and (hosts / f"{REFERENCE}.yaml").is_file():
         shutil.copytree(src, artifacts / "reference" / REFERENCE)
+        print(f"   projections carry from the committed {REFERENCE} reference data")
         return REFERENCE
-    print(f"   no artifacts/reference/{REFERENCE}/ in this checkout: projections carry from {SANDBOX_HOST}'s run")
+    print(f"   no usable artifacts/reference/{REFERENCE}/: projections carry from {SANDBOX_HOST}'s run")
     return SANDBOX_HOST
 
 
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   inventory: {hosts}")
         artifacts = state / "artifacts"
         artifacts.mkdir()
-        reference = _reference(artifacts)
+        reference = _reference(hosts, artifacts)
         docs, repo = _notes_target(state, not a.no_commit)
 
         say("local Prefect server (SQLite)")
@@ -130,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         if not wait_for_deployment(api, "fleet/fleet", 180, serve):
             print(log.read_text()[-3000:])
             return 1
-        print(f"   deployments: bench/{SANDBOX_HOST}, bench/{RETIRED_HOST}, fleet/fleet (log: {log})")
+        print(f"   deployments: {', '.join(f'bench/{p.stem}' for p in sorted(hosts.glob('*.yaml')))}, fleet/fleet "
+              f"(log: {log})")
 
         rcs = [_run(f"bench/{SANDBOX_HOST}", env)]
         if (hosts / f"{RETIRED_HOST}.yaml").is_file():

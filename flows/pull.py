@@ -15,7 +15,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from engine.schema import MANIFEST, TABLES, SchemaError, read_table, sha256_file, write_manifest
+from engine.schema import (MANIFEST, TABLES, SchemaError, provenance, read_table, sha256_file, to_table,
+                           write_manifest, write_table)
 from flows.ssh import Remote
 from flows.store import Store, check_name
 
@@ -96,6 +97,27 @@ def pull(remote: Remote, remote_dir: str, staging: Path) -> Pulled:
             quarantined[name] = why
     write_manifest(accepted_dir)
     return Pulled(accepted_dir=accepted_dir, accepted=accepted, quarantined=quarantined)
+
+
+def record_unfinished(pulled: Pulled, run_id: str, host: str, profile: str, unfinished: dict[str, str],
+                      payload_hash: str | None) -> None:
+    """Give every suite that was stopped before it wrote anything a `partial` row in runs.arrow,
+    so the run index never calls a run complete when a suite of it never ran to the end."""
+    path = pulled.accepted_dir / "runs.arrow"
+    if path.is_file():
+        table = read_table(path)
+        rows, prov = table.to_pylist(), provenance(table)
+    else:
+        rows, prov = [], {"run_id": run_id, "host": host, "payload_hash": payload_hash}
+    have = {r["suite"] for r in rows}
+    extra = [{"run_id": run_id, "host": host, "suite": suite, "profile": profile, "status": "partial",
+              "payload_hash": payload_hash, "points": 0, "source": "measured",
+              "note": f"{why} before the suite wrote any result"}
+             for suite, why in unfinished.items() if suite not in have]
+    if extra:
+        write_table(pulled.accepted_dir, to_table("runs", rows + extra, prov))
+        if "runs.arrow" not in pulled.accepted:
+            pulled.accepted.append("runs.arrow")
 
 
 def quarantine(store: Store, host: str, run_id: str, pulled: Pulled) -> str | None:
