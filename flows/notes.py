@@ -402,6 +402,7 @@ def e2e_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
         ref_rows = {(e["config"], e["budget"], e["concurrency"]): e for e in view.projection.ref.rows("e2e")}
     head = ["point"] + [t.removesuffix("_ms") for t in TERMS] + ["step ms"]
     split, bars = [], []
+    ends = {min(e["concurrency"] for e in rows), max(e["concurrency"] for e in rows)} if rows else set()
     for e in rows:
         key = (e["config"], e["budget"], e["concurrency"])
         sides = [(view.projection.ref_host, ref_rows[key])] if key in ref_rows else []
@@ -411,9 +412,11 @@ def e2e_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
             step = sum(b.values())
             label = f"B={e['budget']} c={e['concurrency']}" + (f" {side}" if projected else "")
             split.append([label] + [f"{fmt(b[t], 2)} ({100 * b[t] / step:.0f}%)" for t in TERMS] + [fmt(step, 2)])
-            bars.append((label, b))
+            if e["concurrency"] in ends:  # the plot keeps the extremes readable; the table has every point
+                bars.append((label, b))
     plots.amdahl(out_dir / "amdahl.png", bars,
-                 f"{view.name}: step shares" + (f", {view.projection.ref_host} vs {view.name}" if projected else ""))
+                 f"{view.name}: step shares at c={'/'.join(map(str, sorted(ends)))}"
+                 + (f", {view.projection.ref_host} vs {view.name}" if projected else ""))
     out += ["## Step breakdown", "", "Milliseconds per step and the Amdahl share of each term"
             + (", reference and target side by side: the largest target share is what matters on this machine."
                if projected else "."), ""] + _table(head, split)
