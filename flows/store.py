@@ -10,6 +10,11 @@ Layout under the root (a local path or any pyarrow filesystem URI such as s3://b
 The partition key is `run`, not `run_id`, because every table already carries a `run_id` column;
 `host` is only a column in the runs table, where ingest checks it equals the partition value.
 Nothing is accepted without passing engine.schema.read_table, so a reader never meets a bad file.
+
+On an object store (s3://) each file is written by one PUT, which S3 makes atomic: a reader sees the
+whole old or the whole new object. There is no lock there, so the index update is a plain
+read-modify-write: two controllers ingesting at the same moment can lose one index line. That run's
+files stay under runs/ (dataset() still finds them) and ingesting it again restores the line.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ def table_bytes(table: pa.Table) -> bytes:
 
 
 class Store:
-    """Results on any pyarrow filesystem; local roots get a file lock around index updates."""
+    """Results on any pyarrow filesystem; local roots get a file lock around index updates (none on S3)."""
 
     def __init__(self, root: str | None = None):
         root = root or default_root()

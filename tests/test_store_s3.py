@@ -1,0 +1,166 @@
+"""The artifacts store on a real S3 API: a moto server on loopback, reached through an s3:// URI root.
+
+Proves the promise in flows/store.py that the root may be any pyarrow filesystem URI: ingest, the run
+index, load, dataset and refusal of bad files all go through the S3 filesystem, never a local path.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pytest
+
+from engine.schema import SchemaError, read_table
+from flows.pull import Pulled, quarantine
+from flows.settings import Settings
+from flows.store import Store
+from test_projection_synth import write_run
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[1]
+BUCKET = "kdbench-test"
+RUN = "sbx-s3-1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_up(proc: subprocess.Popen, port: int, timeout_s: float = 15.0) -> None:
+    """Poll the server directly (no proxy from the environment) until it answers."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moto server exited with status {proc.returncode} before answering")
+        try:
+            opener.open(f"http://127.0.0.1:{port}/moto-api/", timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"moto server did not answer on 127.0.0.1:{port} within {timeout_s:.0f} s")
+
+
+@pytest.fixture
+def s3_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A real S3 endpoint (moto server subprocess) with one bucket; yields the store URI root.
+
+    Dummy credentials and region live only in this test's environment; EC2 metadata lookups are
+    disabled so the AWS SDK never leaves loopback. The server is always stopped by pid.
+    """
+    for var, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
+                       "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(var, value)
+    for var in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(var, raising=False)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_up(proc, port)
+        endpoint = f"127.0.0.1:{port}"
+        pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", region="us-east-1",
+                          allow_bucket_creation=True).create_dir(BUCKET)
+        yield f"s3://{BUCKET}/team?endpoint_override={endpoint}&scheme=http"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real run directory: the engine's CPU smoke of the kernels suite."""
+    out = tmp_path_factory.mktemp("bench") / "out"
+    subprocess.run([sys.executable, "-m", "engine.bench", "--suite", "kernels", "--profile", "smoke",
+                    "--host", "sbx", "--out", str(out), "--run-id", RUN, "--device", "cpu"],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    return out
+
+
+def test_s3_root_round_trip(s3_root: str, bench_run: Path, tmp_path: Path) -> None:
+    store = Store(s3_root)
+    assert isinstance(store.fs, pafs.S3FileSystem) and store.base == f"{BUCKET}/team"
+    assert store.runs() == [] and store.dataset("kernels").to_table().num_rows == 0
+    store.ingest("sbx", RUN, bench_run)
+    # the objects are in the bucket under the Hive layout, not on the local disk
+    leaf = f"{BUCKET}/team/runs/host=sbx/run={RUN}"
+    names = {i.base_name for i in store.fs.get_file_info(pafs.FileSelector(leaf))}
+    assert names == {"runs.arrow", "kernels.arrow", "_manifest.json"}
+    assert not Path(leaf).exists()
+
+    other = write_run(tmp_path / "h200", host="h200", run_id="h200-1", started_at="2000-01-01T00:00:00Z")
+    store.ingest("h200", "h200-1", other)
+    reopened = Store(s3_root)  # a second controller sees the same index
+    assert [(r.host, r.run_id) for r in reopened.runs()] == [("h200", "h200-1"), ("sbx", RUN)]
+    [info] = reopened.runs("sbx")
+    assert (info.source, info.status, info.suites) == ("measured", "complete", ["kernels"])
+
+    tables = reopened.load("sbx", RUN)
+    assert set(tables) == {"runs", "kernels"}
+    for name, table in tables.items():
+        assert table.equals(read_table(bench_run / f"{name}.arrow"), check_metadata=True)
+    kern = reopened.dataset("kernels").to_table()
+    mine = kern.filter(pc.equal(kern.column("run"), RUN))
+    assert set(mine.column("host").to_pylist()) == {"sbx"}
+    expected = read_table(bench_run / "kernels.arrow")
+    assert mine.select(expected.schema.names).sort_by("kernel").equals(expected.sort_by("kernel"))
+    assert set(kern.column("run").to_pylist()) == {RUN, "h200-1"}
+
+
+def test_s3_root_refuses_bad_files(s3_root: str, bench_run: Path, tmp_path: Path) -> None:
+    store = Store(s3_root)
+    bad = tmp_path / "bad"
+    shutil.copytree(bench_run, bad)
+    (bad / "kernels.arrow").write_bytes(b"not arrow")
+    with pytest.raises(SchemaError, match="kernels.arrow"):
+        store.ingest("sbx", RUN, bad)
+    assert store.runs() == []
+    assert store.fs.get_file_info(f"{store.base}/runs/host=sbx").type == pafs.FileType.NotFound
+
+    # a file damaged in the bucket after ingest is refused on the way out too
+    store.ingest("sbx", RUN, bench_run)
+    with store.fs.open_output_stream(f"{store.base}/runs/host=sbx/run={RUN}/kernels.arrow") as f:
+        f.write(b"damaged")
+    with pytest.raises(SchemaError, match="kernels.arrow"):
+        store.load("sbx", RUN)
+
+
+def test_s3_root_from_settings_and_quarantine(s3_root: str, bench_run: Path, monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    """KDBENCH_ARTIFACTS reaches Store unchanged, and the flow's quarantine writes into the bucket."""
+    monkeypatch.setenv("KDBENCH_ARTIFACTS", s3_root)
+    settings = Settings.from_env()
+    assert settings.artifacts == s3_root and settings.env()["KDBENCH_ARTIFACTS"] == s3_root
+    store = Store(settings.artifacts)
+    staging = tmp_path / "staging"  # laid out as flows.pull.pull leaves it
+    shutil.copytree(bench_run, staging / "accepted")
+    (staging / "quarantine").mkdir()
+    (staging / "quarantine" / "e2e.arrow").write_bytes(b"junk")
+    pulled = Pulled(accepted_dir=staging / "accepted", accepted=["kernels.arrow", "runs.arrow"],
+                    quarantined={"e2e.arrow": "sha256 mismatch"})
+    where = quarantine(store, "sbx", RUN, pulled)
+    assert where == f"{store.base}/quarantine/host=sbx/run={RUN}"
+    with store.fs.open_input_stream(f"{where}/e2e.arrow") as f:
+        assert f.read() == b"junk"
+    with store.fs.open_input_stream(f"{where}/e2e.arrow.reason") as f:
+        assert f.read() == b"sha256 mismatch\n"
+    store.ingest("sbx", RUN, pulled.accepted_dir)
+    assert [r.run_id for r in store.runs()] == [RUN]
+    assert store.dataset("e2e").to_table().num_rows == 0
