@@ -139,7 +139,7 @@ class KernelBench:
                 **_timing_cols(t, nbytes, 2 * m * k * 3 * h * i)}
 
     # ------------------------------------------------------------------ trees
-    def draft(self, batch: int, budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def draft(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Drafter-like inputs: sorted top-k log-probs and tokens per position, root tokens."""
         c = self.p.cfg
         raw = torch.randn(batch, c.draft_len, c.draft_topk, generator=self.gen, device=self.dev)
@@ -149,11 +149,11 @@ class KernelBench:
         return lp, tok, root
 
     def tree(self, batch: int, budget: int) -> ops.Tree:
-        lp, tok, root = self.draft(batch, budget)
+        lp, tok, root = self.draft(batch)
         return reference.build_tree(lp, tok, root, budget)
 
     def tree_build(self, batch: int, budget: int) -> Row:
-        lp, tok, root = self.draft(batch, budget)
+        lp, tok, root = self.draft(batch)
         c = self.p.cfg
         t = time_op(lambda: ops.build_tree(lp, tok, root, budget), self.dev, self.p.repeats, graph=False)
         n = budget + 1

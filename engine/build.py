@@ -2,7 +2,9 @@
 
 On a GPU: each Triton kernel runs at every shape the kernels and e2e suites will ask for (so
 the Triton cache is warm before anything is timed) and is compared with its PyTorch reference at
-a few of them: status "ok" or "mismatch" (with the worst relative error), "reference" where no
+a few of them: status "ok" or "mismatch" (with the largest error over those shapes: the norm
+relative error ||got - want|| / ||want|| for the tensor kernels, 0 or 1 for the bit-exact tree
+kernels), "reference" where no
 Triton kernel exists (the engine then runs the reference), "error" when it raised. On the CPU
 (`--arch cpu`): the references run at the CPU bench shapes, status "reference".
 Writes DIR/build.json; exit 0 when nothing mismatched or failed, 1 otherwise, 2 on a wrong arch.
@@ -59,7 +61,7 @@ def cases(kb: KernelBench, device: torch.device) -> dict[str, list[tuple[Callabl
             return ops.mla_tree_attention(*kb.attention_inputs(b, n, c), impl=impl)
         out["mla_tree_attention"].append((att, c <= 8192 and n <= 256))
     for b, n in p.tree:
-        out["build_tree"].append((lambda impl, b=b, n=n: ops.build_tree(*kb.draft(b, n), n, impl=impl), True))
+        out["build_tree"].append((lambda impl, b=b, n=n: ops.build_tree(*kb.draft(b), n, impl=impl), True))
         out["tree_accept"].append((lambda impl, b=b, n=n: ops.tree_accept(*kb.accept_inputs(b, n), impl=impl), True))
     return out
 

@@ -6,8 +6,7 @@ shared expert, MLA attention), so every code path the GPU runs is exercised on t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -43,9 +42,6 @@ class ModelConfig:
     @property
     def qk_dim(self) -> int:
         return self.nope_dim + self.rope_dim
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 K2 = ModelConfig(

@@ -103,7 +103,8 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary sibling, then rename: a reader sees the old file or the new one, never half."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_bytes(data)
     os.replace(tmp, path)
@@ -116,7 +117,7 @@ def write_table(out_dir: Path, table: pa.Table) -> Path:
     sink = pa.BufferOutputStream()
     with ipc.new_file(sink, table.schema) as w:
         w.write_table(table)
-    _atomic_write_bytes(path, sink.getvalue().to_pybytes())
+    atomic_write_bytes(path, sink.getvalue().to_pybytes())
     write_manifest(Path(out_dir))
     return path
 
@@ -124,7 +125,7 @@ def write_table(out_dir: Path, table: pa.Table) -> Path:
 def write_manifest(out_dir: Path) -> None:
     files = {p.name: sha256_file(p) for p in sorted(out_dir.glob("*.arrow"))}
     body = json.dumps({"schema_version": SCHEMA_VERSION, "files": files}, indent=1, sort_keys=True)
-    _atomic_write_bytes(out_dir / MANIFEST, body.encode())
+    atomic_write_bytes(out_dir / MANIFEST, body.encode())
 
 
 def read_table(path: Path) -> pa.Table:

@@ -42,7 +42,7 @@ from pydantic import BaseModel
 from flows import deploy as deploy_mod
 from flows import notes as notes_mod
 from flows import projection
-from flows.inventory import Host, host_path, load_host, load_inventory, now, retire, update_host
+from flows.inventory import Host, Inventory, host_path, load_host, load_inventory, now, retire, update_host
 from flows.pull import Pulled, pull, quarantine, record_unfinished
 from flows.settings import Settings
 from flows.ssh import ProbeResult, Remote, RemoteError, probe
@@ -112,6 +112,12 @@ def _run_id() -> str:
     return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{suffix}"
 
 
+def _scrub(host: Host, text: str) -> str:
+    """Host output and SSH errors may quote the host's address, login or key path (a traceback
+    under /home/<user>, an error naming user@address): redact them before logs and artifacts."""
+    return notes_mod.redact(text, Inventory(dir=Path("."), hosts={host.name: host}))
+
+
 def _key(prefix: str, host: str) -> str:
     """Artifact keys allow lower-case letters, digits and dashes only."""
     return f"{prefix}-" + re.sub(r"[^a-z0-9-]", "-", host.lower())
@@ -125,7 +131,7 @@ def probe_host(host: Host, hosts_dir: Path, retries: int, backoff_s: float) -> P
     log = get_run_logger()
     for attempt in range(retries + 1):
         res = probe(host, hosts_dir)
-        log.info("probe %s: %s (%s) in %.1f s", host.name, res.outcome, res.detail, res.elapsed_s)
+        log.info("probe %s: %s (%s) in %.1f s", host.name, res.outcome, _scrub(host, res.detail), res.elapsed_s)
         for m in res.mismatches:
             log.warning("inventory mismatch on %s: %s", host.name, m)
         if res.outcome not in ("unreachable", "timeout") or attempt == retries:
@@ -142,7 +148,10 @@ def deploy_payload(remote: Remote, host: Host) -> deploy_mod.Deployed:
     with tempfile.TemporaryDirectory(prefix="kdbench-payload-") as tmp:
         payload = deploy_mod.build_payload(Path(tmp))
         log.info("payload %s (%d bytes)", payload.sha256[:12], payload.path.stat().st_size)
-        return deploy_mod.deploy(remote, host, payload, log, on_line=lambda line: log.info("%s", line))
+        try:
+            return deploy_mod.deploy(remote, host, payload, log, on_line=lambda line: log.info("%s", _scrub(host, line)))
+        except deploy_mod.DeployError as e:  # it quotes the host's stderr
+            raise deploy_mod.DeployError(_scrub(host, str(e))) from None
 
 
 @task(name="build", cache_policy=NONE)
@@ -152,6 +161,7 @@ def build(remote: Remote, host: Host, dep: deploy_mod.Deployed, run_dir: str, ti
     lines: list[str] = []
 
     def on_line(line: str) -> None:
+        line = _scrub(host, line)
         lines.append(line)
         log.info("[build] %s", line)
 
@@ -194,7 +204,7 @@ def bench_suite(remote: Remote, host: Host, dep: deploy_mod.Deployed, suite: str
                 seen["points"] += 1
             elif isinstance(ev, dict) and ev.get("event") == "done":
                 seen["status"] = ev.get("status")
-        log.info("[%s] %s", suite, line)
+        log.info("[%s] %s", suite, _scrub(host, line))
 
     argv = [dep.python, "-m", "engine.bench", "--suite", suite, "--profile", profile, "--host", host.name,
             "--out", out_dir, "--run-id", run_id, "--payload-hash", dep.payload_hash]
@@ -270,11 +280,12 @@ def _rel(p: Path, base: Path) -> str:
 def _route_unmeasurable(s: Settings, host: Host, res: ProbeResult) -> str:
     """Write back what the probe found; returns the detail for the report."""
     log = get_run_logger()
+    detail = _scrub(host, res.detail)
     if res.outcome in ("unauthorized", "host_key_changed"):
         extra = {"presented_host_key_fingerprint": res.presented_fingerprint} if res.presented_fingerprint else {}
         retire(s.hosts_dir, host.name, res.outcome, **extra)
-        log.warning("%s retired (%s): %s", host.name, res.outcome, res.detail)
-        return f"retired ({res.outcome}): {res.detail}"
+        log.warning("%s retired (%s): %s", host.name, res.outcome, detail)
+        return f"retired ({res.outcome}): {detail}"
     if res.outcome in ("unreachable", "timeout"):
         n = host.unreachable_runs + 1
         if n >= s.unreachable_runs:
@@ -282,9 +293,9 @@ def _route_unmeasurable(s: Settings, host: Host, res: ProbeResult) -> str:
             log.warning("%s retired as released after %d consecutive unreachable runs", host.name, n)
             return f"{res.outcome} for the {n}th run in a row: retired as released"
         update_host(s.hosts_dir, host.name, unreachable_runs=n)
-        return f"{res.outcome} ({n} of {s.unreachable_runs} consecutive runs before release): {res.detail}"
-    log.warning("%s: %s; not measured (enrol the host key with `kdbench hosts trust`)", host.name, res.detail)
-    return res.detail
+        return f"{res.outcome} ({n} of {s.unreachable_runs} consecutive runs before release): {detail}"
+    log.warning("%s: %s; not measured (enrol the host key with `kdbench hosts trust`)", host.name, detail)
+    return detail
 
 
 def _headline(store: Store, host: str, run_id: str) -> list[str]:
@@ -416,8 +427,9 @@ def bench(host: str, suites: list[str] | None = None, profile: str | None = None
                 try:
                     _measure(s, store, h, suites, profile, bench_timeout_s or s.bench_timeout_s, report)
                 except RemoteError as e:
-                    log.error("lost %s during the run: %s", host, e)
-                    report.outcome, report.detail = "unmeasured", f"connection lost: {e}"
+                    why = _scrub(h, str(e))
+                    log.error("lost %s during the run: %s", host, why)
+                    report.outcome, report.detail = "unmeasured", f"connection lost: {why}"
             else:
                 report = RunReport(host=host, route=res.outcome, outcome="unmeasured",
                                    detail=_route_unmeasurable(s, h, res))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 from flows import sandbox
 from flows.inventory import InventoryError, load_host
-from flows.serve import start_server, stop_process, wait_for_deployment
+from flows.serve import spawn_serve, start_server, stop_process, wait_for_deployment
 from flows.settings import REPO
 from flows.store import Store
 
@@ -34,12 +33,6 @@ REFERENCE = "h200"
 
 def say(msg: str) -> None:
     print(f"\n== {msg}", flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _git(*args: str, cwd: Path) -> str:
@@ -116,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         docs, repo = _notes_target(state, not a.no_commit)
 
         say("local Prefect server (SQLite)")
-        pid, api = start_server(state / "prefect-server", _free_port())
+        pid, api = start_server(state / "prefect-server", sandbox.free_port())
         procs.append(pid)
         print(f"   {api}  (UI: {api.removesuffix('/api')})")
 
@@ -126,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                "KDBENCH_PROFILE": "smoke", "KDBENCH_SUITES": "kernels,e2e", "KDBENCH_REFERENCE": reference}
         say("kdbench serve")
         log = state / "serve.log"
-        with log.open("wb") as out:
-            serve = subprocess.Popen([str(BIN / "kdbench"), "serve"], env=env, stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        serve = spawn_serve(env, log)
         procs.append(serve.pid)
         if not wait_for_deployment(api, "fleet/fleet", 180, serve):
             print(log.read_text()[-3000:])

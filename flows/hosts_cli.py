@@ -186,7 +186,7 @@ def check(
 
 @hosts_app.command("retire")
 def retire_cmd(
-    name: str = typer.Argument(...),
+    name: str = typer.Argument(..., help="Host to retire."),
     reason: str = typer.Option(..., help="unauthorized, host_key_changed, released or unreachable."),
     hosts: Optional[Path] = HostsDir,
 ) -> None:
@@ -202,7 +202,7 @@ def retire_cmd(
 
 
 @hosts_app.command("activate")
-def activate_cmd(name: str = typer.Argument(...), hosts: Optional[Path] = HostsDir) -> None:
+def activate_cmd(name: str = typer.Argument(..., help="Host to put back into service."), hosts: Optional[Path] = HostsDir) -> None:
     """Put a host back into service (clears the retirement fields; pinned keys are untouched)."""
     try:
         h = activate(_dir(hosts), name)

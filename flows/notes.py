@@ -539,7 +539,7 @@ _LOGIN = re.compile(r"[\w.-]+@(?=[\w\[])")
 def _patterns(inv: Inventory | None) -> list[tuple[str, re.Pattern[str]]]:
     pats = []
     for h in (inv.hosts.values() if inv else ()):
-        word = rf"(?<![\w.-]){{}}(?![\w.-])"
+        word = r"(?<![\w.-]){}(?![\w.-])"
         pats += [(f"the address of {h.name}", re.compile(word.format(re.escape(h.address)))),
                  (f"the key path of {h.name}", re.compile(word.format(re.escape(h.key_file)))),
                  # a user name is often a common word (root, kdbench): look for it where it names a login

@@ -34,7 +34,6 @@ def _figure() -> Figure:
         return Figure(figsize=SIZE, layout="constrained")
 
 
-Series = tuple[str, Sequence[float], Sequence[float]]          # label, x, y
 Band = tuple[Sequence[float], Sequence[float]] | None          # y low, y high
 
 

@@ -27,6 +27,7 @@ from filelock import FileLock
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
+from engine.schema import atomic_write_bytes
 from flows.inventory import SAFE_NAME, Host, fingerprint, key_line, parse_public_key, repo_root
 
 Fault = Literal["rotate-hostkey", "revoke-key", "stop", "blackhole", "heal"]
@@ -69,9 +70,7 @@ def _load(state: Path) -> dict[str, Any]:
 
 
 def _save(state: Path, data: dict[str, Any]) -> None:
-    tmp = state / f".{STATE_FILE}.tmp"
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    os.replace(tmp, state / STATE_FILE)
+    atomic_write_bytes(state / STATE_FILE, json.dumps(data, indent=2, sort_keys=True).encode())
 
 
 def _lock(state: Path) -> FileLock:
@@ -91,7 +90,8 @@ def _write_key(path: Path) -> str:
     return pub.decode()
 
 
-def _free_port(address: str) -> int:
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on `address` right now (the sandbox, the demo and the tests pick theirs so)."""
     with socket.socket() as s:
         s.bind((address, 0))
         return s.getsockname()[1]
@@ -278,7 +278,7 @@ def up(count: int = 2, *, names: Sequence[str] | None = None, state_dir: Path | 
                 (hdir / "client_key.pub").write_text(client_pub + "\n")
                 (hdir / "authorized_keys").write_text(client_pub + "\n")
                 address = f"127.0.0.{10 + i}"
-                rec = {"address": address, "port": _free_port(address), "user": _user(),
+                rec = {"address": address, "port": free_port(address), "user": _user(),
                        "host_key": "host_key", "pid": None, "process": None, "faults": []}
                 data["hosts"][name] = rec
                 _start_sshd(hdir, rec)

@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import typer
 from rich.console import Console
@@ -71,6 +71,13 @@ def wait_for_deployment(api_url: str, name: str, timeout_s: float = 120.0,
         except OSError:
             time.sleep(0.5)
     return False
+
+
+def spawn_serve(env: Mapping[str, str], log: Path) -> subprocess.Popen:
+    """`kdbench serve` in its own session (so stop_process ends it with its flow-run children), output to `log`."""
+    with log.open("wb") as out:
+        return subprocess.Popen([str(Path(sys.executable).parent / "kdbench"), "serve"], env=dict(env), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def server_env(home: Path, ui: bool = True) -> dict[str, str]:
@@ -201,6 +208,10 @@ def serve(
     pool: Optional[str] = typer.Option(
         None, "--pool", help="Register the deployments into this Prefect process work pool (created if "
                              "missing) and return; run `prefect worker start --pool NAME` on each controller."),
+    hosts: Optional[Path] = typer.Option(
+        None, "--hosts", show_default=False,
+        help="Inventory folder (default: KDBENCH_HOSTS, else the repo's hosts/). The flow runs served "
+             "here read it too; workers of a --pool read their own KDBENCH_HOSTS."),
 ) -> None:
     """Register `bench/<host>` for every host in hosts/ and `fleet/fleet`, and serve them.
 
@@ -215,6 +226,8 @@ def serve(
         raise _fail("PREFECT_API_URL is not set: start a server with `kdbench server` and export the URL it prints")
     if not healthy(api):
         raise _fail(f"no Prefect server answers at PREFECT_API_URL={api} (`kdbench server` starts one)")
+    if hosts is not None:  # flow runs read KDBENCH_HOSTS when they start; they inherit this environment
+        os.environ["KDBENCH_HOSTS"] = str(hosts.resolve())
     try:
         s = Settings.from_env()
         deps = deployments(s)

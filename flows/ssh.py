@@ -9,7 +9,6 @@ reprovisioned or revoked machine is told apart from one that is merely down.
 from __future__ import annotations
 
 import codecs
-import hashlib
 import json
 import logging
 import os
@@ -23,6 +22,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import paramiko
 from pydantic import BaseModel
 
+from engine.schema import sha256_file
 from flows.inventory import Host, InventoryError, display_path, fingerprint, load_specs, parse_public_key
 
 Outcome = Literal["ok", "unauthorized", "host_key_changed", "host_key_unknown", "unreachable", "timeout"]
@@ -179,14 +179,6 @@ def remote_command(argv: Sequence[str], *, timeout_s: float, cwd: str | None = N
     return " ".join(parts)
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class _LineSplitter:
     """Turns chunks of bytes into whole lines, decoding UTF-8 safely across chunk borders."""
 
@@ -303,7 +295,7 @@ class Remote:
     def put(self, local: Path, remote_path: str) -> str:
         """Upload then verify on the host; the file appears under its name only when it matches."""
         local = Path(local)
-        want = _sha256_file(local)
+        want = sha256_file(local)
         tmp = f"{remote_path}.part-{os.getpid()}"
         sftp = self.sftp()
         sftp.put(str(local), tmp)
@@ -322,7 +314,7 @@ class Remote:
             raise RemoteError(f"{self.host.name}: no such file {remote_path!r}")
         tmp = local.with_name(f".{local.name}.part-{os.getpid()}")
         self.sftp().get(remote_path, str(tmp))
-        got = _sha256_file(tmp)
+        got = sha256_file(tmp)
         if got != want:
             tmp.unlink(missing_ok=True)
             raise RemoteError(f"download from {self.host.name} corrupted: sha256 {got} != {want}")

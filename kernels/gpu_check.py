@@ -205,14 +205,19 @@ DECODE_SWEEP: list[moe_gemm.SplitConfig] = [  # FMA and dot interleaved: a short
 ]
 
 
+def _warm_weights(e: int) -> tuple[torch.Tensor, ...]:
+    """Seeded packed weights and scales for `e` experts at K2's H and I (compiling needs only the shapes)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return (torch.randint(-2**31, 2**31 - 1, (e, 2 * I, H // 8), device="cuda", dtype=torch.int32, generator=g),
+            (torch.rand(e, 2 * I, H // 32, device="cuda", generator=g) * 2e-3).to(torch.bfloat16),
+            torch.randint(-2**31, 2**31 - 1, (e, H, I // 8), device="cuda", dtype=torch.int32, generator=g),
+            (torch.rand(e, H, I // 32, device="cuda", generator=g) * 2e-3).to(torch.bfloat16))
+
+
 def _warm_decode(cfgs: list) -> str:
     """Compile the split-K kernels for `cfgs` in a child process (fills the shared Triton cache)."""
     e = 8
-    g = torch.Generator(device="cuda").manual_seed(1)
-    w = (torch.randint(-2**31, 2**31 - 1, (e, 2 * I, H // 8), device="cuda", dtype=torch.int32, generator=g),
-         (torch.rand(e, 2 * I, H // 32, device="cuda", generator=g) * 2e-3).to(torch.bfloat16),
-         torch.randint(-2**31, 2**31 - 1, (e, H, I // 8), device="cuda", dtype=torch.int32, generator=g),
-         (torch.rand(e, H, I // 32, device="cuda", generator=g) * 2e-3).to(torch.bfloat16))
+    w = _warm_weights(e)
     errs = []
     for c in cfgs:
         for m in (1, 8):
@@ -228,7 +233,7 @@ def _warm_decode(cfgs: list) -> str:
     return "; ".join(errs)
 
 
-def moe_decode_section(log: Log, bw: float, tf: float) -> None:
+def moe_decode_section(log: Log, bw: float) -> None:
     """Split-K decode path: compile the sweep in parallel, check, time over 3 weight sets, pick per M."""
     import multiprocessing as mp
 
@@ -316,11 +321,7 @@ def _warm_grouped(cfgs: list) -> str:
     """Compile the grouped kernels for `cfgs` in a child process (fills the shared Triton cache).
     16 experts and M = 32: the same integer specialisations (multiples of 16) as the timed shapes."""
     e, m = 16, 32
-    g = torch.Generator(device="cuda").manual_seed(1)
-    w = (torch.randint(-2**31, 2**31 - 1, (e, 2 * I, H // 8), device="cuda", dtype=torch.int32, generator=g),
-         (torch.rand(e, 2 * I, H // 32, device="cuda", generator=g) * 2e-3).to(torch.bfloat16),
-         torch.randint(-2**31, 2**31 - 1, (e, H, I // 8), device="cuda", dtype=torch.int32, generator=g),
-         (torch.rand(e, H, I // 32, device="cuda", generator=g) * 2e-3).to(torch.bfloat16))
+    w = _warm_weights(e)
     errs = []
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     ids = torch.rand(m, e, device="cuda").topk(TOPK, -1).indices
@@ -334,7 +335,7 @@ def _warm_grouped(cfgs: list) -> str:
     return "; ".join(errs)
 
 
-def moe_grouped_section(log: Log, bw: float, tf: float) -> None:
+def moe_grouped_section(log: Log, bw: float) -> None:
     """Grouped split-K path above the decode sizes: compile the sweep in parallel, check each config
     against the reference, time over 2 weight sets (CUDA graphs), the shipped tiled path as the
     baseline on the same inputs, pick per M, re-check the picks poisoned on fresh inputs."""
@@ -535,8 +536,8 @@ def main() -> None:
     log = Log(a.out, time.time() + a.budget_s)
     bw, tf = ceilings(log)
     sections = {"tree": lambda: tree_section(log), "moe": lambda: moe_section(log, bw, tf),
-                "moedec": lambda: moe_decode_section(log, bw, tf),
-                "moegrp": lambda: moe_grouped_section(log, bw, tf),
+                "moedec": lambda: moe_decode_section(log, bw),
+                "moegrp": lambda: moe_grouped_section(log, bw),
                 "mla": lambda: mla_section(log, bw, tf)}
     for name in a.only.split(","):
         t0 = time.time()

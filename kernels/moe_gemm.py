@@ -9,7 +9,8 @@ over all of K, in two Triton launches plus a k-way sum:
   down:    y[slot] = topk_weight[slot] * (h[slot] . W2_e)             (routing weight in the epilogue)
   out[m]   = sum_j y[m*k + j]
 
-Decode (at most SPLIT_MAX_SLOTS token-expert slots) takes the split-K path: every program
+Decode (at most SPLIT_MAX_SLOTS token-expert slots) takes the split-K path (path="split", the
+default there): every program
 finds its (expert, <= BM slots) block itself from topk_ids in registers (no alignment launches), then
 streams one [BN rows, KS of K] chunk of that expert's weights (about a thousand programs at M = 1,
 each reading 64-112 KB), fp32 partial sums per K split, combined by two tiny kernels (SiLU x up after

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import pytest
 from engine.schema import SchemaError, read_table
 from flows import sandbox as sandbox_mod
 from flows.inventory import load_host, retire, update_host
-from flows.serve import stop_process, wait_for_deployment
+from flows.serve import spawn_serve, stop_process, wait_for_deployment
 from flows.store import Store
 
 pytestmark = pytest.mark.integration
@@ -35,12 +34,6 @@ pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
 HOSTS = ["pro6000", "f2", "f3", "f4", "revoked", "rotated", "stopped"]
 TIMES: dict[str, float] = {}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _api(url: str, path: str, body: dict | None = None) -> object:
@@ -56,7 +49,7 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     `kdbench server` as a user would."""
     home = tmp_path_factory.mktemp("prefect-server")
     cli = [str(BIN / "kdbench"), "server", "--home", str(home)]
-    res = subprocess.run([*cli, "--port", str(_free_port()), "--no-ui"], capture_output=True, text=True, timeout=180)
+    res = subprocess.run([*cli, "--port", str(sandbox_mod.free_port()), "--no-ui"], capture_output=True, text=True, timeout=180)
     try:
         assert res.returncode == 0, res.stderr
         url = res.stdout.strip().splitlines()[-1]
@@ -100,9 +93,7 @@ class Served:
 
     def __init__(self, env: dict, log: Path):
         self.log = log
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen([str(BIN / "kdbench"), "serve"], env=env, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = spawn_serve(env, log)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from flows.sandbox import free_port
 
 KDBENCH = str(Path(sys.executable).parent / "kdbench")
 
 
 def _dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}/api"
+    return f"http://127.0.0.1:{free_port()}/api"
 
 
 def _run(*args: str, **env: str) -> subprocess.CompletedProcess:

@@ -52,28 +52,34 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-@inner
-@pytest.mark.parametrize("m,expand,prefetch", [(1, 1, 0), (5, 1, 1), (7, 3, 1)])
-def test_moe_matches_reference(m: int, expand: int, prefetch: int) -> None:
+def _check_moe(m: int, e: int, seed: int, configs: dict, path: str | None = None) -> None:
+    """Random K2-format weights (H 256, I 128, top-3), one Triton path run with every buffer it
+    allocates poisoned, its fp16 output checked against the reference."""
     from kernels import moe_gemm, reference
     from kernels.gpu_check import poisoned, unpoisoned
     from kernels.int4 import quantize_w4
 
-    g = torch.Generator().manual_seed(100 + m)
-    e, h, inter, k = 8, 256, 128, 3
+    g = torch.Generator().manual_seed(seed)
+    h, inter, k = 256, 128, 3
     w13 = quantize_w4(torch.randn(e, 2 * inter, h, generator=g) * 0.1)
     w2 = quantize_w4(torch.randn(e, h, inter, generator=g) * 0.1)
     x = torch.randn(m, h, generator=g).half()
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)])
     wts = torch.rand(m, k, generator=g)
-    cfg = (16, 32, 128, 4, 1, expand, prefetch)
     poisoned(moe_gemm)
     try:
-        out = moe_gemm.moe_w4a16(x, *w13, *w2, ids, wts, configs={"gate_up": cfg, "down": cfg}, path="tiled")
+        out = moe_gemm.moe_w4a16(x, *w13, *w2, ids, wts, configs=configs, path=path)
     finally:
         unpoisoned(moe_gemm)
     assert out.dtype == torch.float16 and out.shape == (m, h)
     assert _rel(out, reference.moe_w4a16(x, *w13, *w2, ids, wts)) < 1e-2
+
+
+@inner
+@pytest.mark.parametrize("m,expand,prefetch", [(1, 1, 0), (5, 1, 1), (7, 3, 1)])
+def test_moe_matches_reference(m: int, expand: int, prefetch: int) -> None:
+    cfg = (16, 32, 128, 4, 1, expand, prefetch)
+    _check_moe(m, 8, 100 + m, {"gate_up": cfg, "down": cfg}, path="tiled")
 
 
 @inner
@@ -82,25 +88,8 @@ def test_moe_split_k_matches_reference(m: int, e: int, dot: int) -> None:
     """The decode path: per-program block finding (m=24 over 4 experts: 18 slots each, so two
     16-slot blocks per expert), two K splits in gate_up, SiLU x up (permuted for the FMA down
     pass), the split + top-k sum."""
-    from kernels import moe_gemm, reference
-    from kernels.gpu_check import poisoned, unpoisoned
-    from kernels.int4 import quantize_w4
-
-    g = torch.Generator().manual_seed(200 + m)
-    h, inter, k = 256, 128, 3
-    w13 = quantize_w4(torch.randn(e, 2 * inter, h, generator=g) * 0.1)
-    w2 = quantize_w4(torch.randn(e, h, inter, generator=g) * 0.1)
-    x = torch.randn(m, h, generator=g).half()
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)])
-    wts = torch.rand(m, k, generator=g)
     cfg = (16, 32, 64, 128, 4, 1, dot)
-    poisoned(moe_gemm)
-    try:
-        out = moe_gemm.moe_w4a16(x, *w13, *w2, ids, wts, configs={"gate_up": cfg, "down": cfg})
-    finally:
-        unpoisoned(moe_gemm)
-    assert out.dtype == torch.float16 and out.shape == (m, h)
-    assert _rel(out, reference.moe_w4a16(x, *w13, *w2, ids, wts)) < 1e-2
+    _check_moe(m, e, 200 + m, {"gate_up": cfg, "down": cfg})
 
 
 @inner
@@ -112,24 +101,7 @@ def test_moe_grouped_matches_reference(m: int, gu: tuple, dn: tuple) -> None:
     blocks an expert and unused tail blocks), plane dots / one interleaved dot / FMA, each dot with
     and without the register double-buffer (DOT + 4), K splits in both passes (down at m=50: KS 64
     of 128), different BM per pass (two alignments)."""
-    from kernels import moe_gemm, reference
-    from kernels.gpu_check import poisoned, unpoisoned
-    from kernels.int4 import quantize_w4
-
-    g = torch.Generator().manual_seed(300 + m)
-    e, h, inter, k = 8, 256, 128, 3
-    w13 = quantize_w4(torch.randn(e, 2 * inter, h, generator=g) * 0.1)
-    w2 = quantize_w4(torch.randn(e, h, inter, generator=g) * 0.1)
-    x = torch.randn(m, h, generator=g).half()
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)])
-    wts = torch.rand(m, k, generator=g)
-    poisoned(moe_gemm)
-    try:
-        out = moe_gemm.moe_w4a16(x, *w13, *w2, ids, wts, configs={"gate_up": gu, "down": dn}, path="grouped")
-    finally:
-        unpoisoned(moe_gemm)
-    assert out.dtype == torch.float16 and out.shape == (m, h)
-    assert _rel(out, reference.moe_w4a16(x, *w13, *w2, ids, wts)) < 1e-2
+    _check_moe(m, 8, 300 + m, {"gate_up": gu, "down": dn}, path="grouped")
 
 
 @inner
