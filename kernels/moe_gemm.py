@@ -49,7 +49,7 @@ def regime(m: int, topk: int, experts: int) -> str:
 # word (two's-complement nibbles) + bf16 scale -> 8 scaled bf16. t = word ^ 0x88888888 turns each
 # nibble into q + 8; prmt puts nibble 2j in the low half and 2j+1 in the high half; OR-ing under
 # 0x4300 (bf16 128.0) gives 128 + q + 8 exactly; FMA -136 then FMA by the scale (one rounding).
-_ASM_W4_BF16 = tl.constexpr("""{
+_ASM_HEAD = """{
 .reg .b32 t, u, d, p, s2, one, m136, nz;
 mov.b32 one, 0x3F803F80;
 mov.b32 m136, 0xC308C308;
@@ -57,27 +57,16 @@ mov.b32 nz, 0x80008000;
 xor.b32 t, $8, 0x88888888;
 shr.u32 u, t, 4;
 mov.b32 s2, {$9, $9};
-prmt.b32 d, t, u, 0x0400;
+"""
+# pair j: nibbles 2j (low half) and 2j + 1 (high half) of the word into outputs $2j, $2j+1
+_ASM_PAIR = """prmt.b32 d, t, u, 0x0{hi}0{lo};
 lop3.b32 p, d, 0x000F000F, 0x43004300, 0xEA;
 fma.rn.bf16x2 p, p, one, m136;
 fma.rn.bf16x2 p, p, s2, nz;
-mov.b32 {$0, $1}, p;
-prmt.b32 d, t, u, 0x0501;
-lop3.b32 p, d, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 p, p, one, m136;
-fma.rn.bf16x2 p, p, s2, nz;
-mov.b32 {$2, $3}, p;
-prmt.b32 d, t, u, 0x0602;
-lop3.b32 p, d, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 p, p, one, m136;
-fma.rn.bf16x2 p, p, s2, nz;
-mov.b32 {$4, $5}, p;
-prmt.b32 d, t, u, 0x0703;
-lop3.b32 p, d, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 p, p, one, m136;
-fma.rn.bf16x2 p, p, s2, nz;
-mov.b32 {$6, $7}, p;
-}""")
+mov.b32 {{${a}, ${b}}}, p;
+"""
+_ASM_W4_BF16 = tl.constexpr(_ASM_HEAD + "".join(
+    _ASM_PAIR.format(hi=4 + j, lo=j, a=2 * j, b=2 * j + 1) for j in range(4)) + "}")
 
 
 @triton.jit
