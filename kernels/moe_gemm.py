@@ -107,6 +107,15 @@ def _dequant(words, scales, dtype: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _load_planes(ap, k0, xm):
+    """The eight stride-8 activation columns k0 + j (j = 0..7) that the plane dots pair with."""
+    return (tl.load(ap + k0 + 0, mask=xm, other=0.0), tl.load(ap + k0 + 1, mask=xm, other=0.0),
+            tl.load(ap + k0 + 2, mask=xm, other=0.0), tl.load(ap + k0 + 3, mask=xm, other=0.0),
+            tl.load(ap + k0 + 4, mask=xm, other=0.0), tl.load(ap + k0 + 5, mask=xm, other=0.0),
+            tl.load(ap + k0 + 6, mask=xm, other=0.0), tl.load(ap + k0 + 7, mask=xm, other=0.0))
+
+
+@triton.jit
 def _plane_dots(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, acc, dtype: tl.constexpr, ASM: tl.constexpr):
     """acc += W . x with K permuted plane-major: sum_j plane_j . x[8w + j]; no interleave needed."""
     v0, v1, v2, v3, v4, v5, v6, v7 = _planes(words, scales, dtype, ASM)
@@ -182,14 +191,7 @@ def _moe_gemm(a_ptr, wq_ptr, ws_ptr, out_ptr, tw_ptr, slots_ptr, seg_ptr, cnt_pt
                     wu = tl.load(wq + N * (K // 8) + k0 // 8)
                     if not PREFETCH:
                         su = tl.load(ws + su_off + k0 // 32)
-                x0 = tl.load(ap + k0 + 0, mask=xm, other=0.0)
-                x1 = tl.load(ap + k0 + 1, mask=xm, other=0.0)
-                x2 = tl.load(ap + k0 + 2, mask=xm, other=0.0)
-                x3 = tl.load(ap + k0 + 3, mask=xm, other=0.0)
-                x4 = tl.load(ap + k0 + 4, mask=xm, other=0.0)
-                x5 = tl.load(ap + k0 + 5, mask=xm, other=0.0)
-                x6 = tl.load(ap + k0 + 6, mask=xm, other=0.0)
-                x7 = tl.load(ap + k0 + 7, mask=xm, other=0.0)
+                x0, x1, x2, x3, x4, x5, x6, x7 = _load_planes(ap, k0, xm)
                 acc = _plane_dots(wg, sg, x0, x1, x2, x3, x4, x5, x6, x7, acc, dt, asm)
                 if GATED:
                     acc_u = _plane_dots(wu, su, x0, x1, x2, x3, x4, x5, x6, x7, acc_u, dt, asm)
@@ -449,14 +451,7 @@ def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_row
                     w = _dequant(words, sw, a_ptr.dtype.element_ty, ASM)
                     acc = tl.dot(w, tl.load(ap + k0, mask=xm, other=0.0), acc)
                 else:
-                    x0 = tl.load(ap + k0 + 0, mask=xm, other=0.0)
-                    x1 = tl.load(ap + k0 + 1, mask=xm, other=0.0)
-                    x2 = tl.load(ap + k0 + 2, mask=xm, other=0.0)
-                    x3 = tl.load(ap + k0 + 3, mask=xm, other=0.0)
-                    x4 = tl.load(ap + k0 + 4, mask=xm, other=0.0)
-                    x5 = tl.load(ap + k0 + 5, mask=xm, other=0.0)
-                    x6 = tl.load(ap + k0 + 6, mask=xm, other=0.0)
-                    x7 = tl.load(ap + k0 + 7, mask=xm, other=0.0)
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _load_planes(ap, k0, xm)
                     acc = _plane_dots(words, sw, x0, x1, x2, x3, x4, x5, x6, x7, acc, a_ptr.dtype.element_ty,
                                       ASM)
         else:
