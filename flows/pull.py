@@ -101,20 +101,27 @@ def pull(remote: Remote, remote_dir: str, staging: Path) -> Pulled:
 
 def record_unfinished(pulled: Pulled, run_id: str, host: str, profile: str, unfinished: dict[str, str],
                       payload_hash: str | None) -> None:
-    """Give every suite that was stopped before it wrote anything a `partial` row in runs.arrow,
-    so the run index never calls a run complete when a suite of it never ran to the end."""
+    """Mark every suite the controller saw time out or fail as `partial` in runs.arrow (adding a
+    row for one stopped before it wrote anything), so the run index never calls such a run
+    complete, even when the suite had written "complete" just before it was killed."""
     path = pulled.accepted_dir / "runs.arrow"
     if path.is_file():
         table = read_table(path)
         rows, prov = table.to_pylist(), provenance(table)
     else:
         rows, prov = [], {"run_id": run_id, "host": host, "payload_hash": payload_hash}
+    changed = False
+    for row in rows:
+        why = unfinished.get(row["suite"])
+        if why and row["status"] != "partial":
+            row["status"], changed = "partial", True
+            row["note"] = "; ".join(filter(None, [row["note"], f"{why} seen by the controller"]))
     have = {r["suite"] for r in rows}
     extra = [{"run_id": run_id, "host": host, "suite": suite, "profile": profile, "status": "partial",
               "payload_hash": payload_hash, "points": 0, "source": "measured",
               "note": f"{why} before the suite wrote any result"}
              for suite, why in unfinished.items() if suite not in have]
-    if extra:
+    if extra or changed:
         write_table(pulled.accepted_dir, to_table("runs", rows + extra, prov))
         if "runs.arrow" not in pulled.accepted:
             pulled.accepted.append("runs.arrow")

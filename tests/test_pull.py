@@ -59,3 +59,28 @@ def test_corrupt_and_malformed_files_are_quarantined_and_never_ingested(sandbox_
     store.ingest("pull1", RUN, pulled.accepted_dir)
     assert set(store.load("pull1", RUN)) == {"runs", "kernels"}
     assert store.dataset("e2e").to_table().num_rows == 0
+
+
+@pytest.mark.parametrize("written", [True, False])
+def test_suite_the_controller_saw_stop_is_never_recorded_complete(tmp_path: Path, written: bool) -> None:
+    """A suite killed after it wrote "complete" (a timeout racing its exit) and one killed before it
+    wrote anything both end up `partial` in runs.arrow, so the run index calls the run partial."""
+    from engine.schema import read_table
+
+    from flows.pull import Pulled, record_unfinished
+
+    accepted = []
+    if written:
+        write_table(tmp_path, to_table("runs", [{"run_id": RUN, "host": "pull1", "suite": "kernels",
+                                                 "profile": "full", "status": "complete", "source": "measured"}],
+                                       {"run_id": RUN, "host": "pull1"}))
+        accepted.append("runs.arrow")
+    pulled = Pulled(accepted_dir=tmp_path, accepted=accepted, quarantined={})
+    record_unfinished(pulled, RUN, "pull1", "full", {"kernels": "timeout"}, None)
+    rows = read_table(tmp_path / "runs.arrow").to_pylist()
+    assert [(r["suite"], r["status"]) for r in rows] == [("kernels", "partial")]
+    assert "timeout" in rows[0]["note"]
+    assert pulled.accepted == ["runs.arrow"]
+    store = Store(str(tmp_path / "artifacts"))
+    store.ingest("pull1", RUN, tmp_path)
+    assert [r.status for r in store.runs("pull1")] == ["partial"]
