@@ -2,7 +2,11 @@
 
 Acceptance is synthetic: the drafter is steered toward the target's own greedy continuation
 (decoded from the live cache before each step, untimed) at a fixed level, recorded in every row.
-Every stage of every step is timed after a device sync; `other` is the step minus the stages.
+Every stage of every step is timed (CUDA events between the stages, one sync a step; see
+engine.decode.StageTimer); `other` is the step's wall time minus the stages.
+On CUDA the stages run as CUDA graphs after the first step (engine.decode.StepGraphs), and each
+point is decoded once more under the kernel profiler: `kernel_ms` is the GPU's busy time per step,
+`outside_ms` the rest of the measured step (Python, launches, synchronisation, the stage timer's syncs).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from engine.config import ModelConfig, make_config
+from engine import gpu_busy
 from engine.decode import STAGES, DecodeResult, Decoder
 from engine.drafter import BlockDrafter
 from engine.model import PLANT_GAIN, TargetModel
@@ -105,4 +110,18 @@ class E2EBench:
         res = self.decoder.speculative(prompts, self.p.max_new, budget, self.p.level)
         return {"config": self.cfg.name, "layers": self.cfg.layers, "device": self.dev.type,
                 "concurrency": conc, "budget": budget, "synthetic_accept": self.p.level,
-                **summarise(res)}
+                **summarise(res), **self.kernel_split(prompts, budget, res)}
+
+    def kernel_split(self, prompts: list[list[int]], budget: int, res: DecodeResult) -> Row:
+        """GPU busy time per step, from a second decode of the same point under the kernel profiler
+        (the decode is deterministic: the same steps); outside = the measured step minus that. The
+        profiled run's own wall time is not used: tracing slows the host side."""
+        if self.dev.type != "cuda":
+            return {}
+        again, busy = gpu_busy.profiled(
+            lambda: self.decoder.speculative(prompts, self.p.max_new, budget, self.p.level, marks=True),
+            lambda r: len(r.step_s))
+        if again.tokens != res.tokens:
+            raise RuntimeError("gpu_busy: the profiled decode differs from the measured one")
+        kernel = statistics.mean(busy) * 1e3
+        return {"kernel_ms": kernel, "outside_ms": max(statistics.mean(res.step_s) * 1e3 - kernel, 0.0)}

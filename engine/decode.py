@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Callable
 
 import torch
 from torch import Tensor
 
+from engine import gpu_busy
 from engine.drafter import BlockDrafter
 from engine.model import LatentCache, TargetModel
 from kernels import ops
@@ -21,7 +24,8 @@ STAGES = ("draft", "tree_build", "verify", "accept")
 
 
 class Clock:
-    """Wall-clock laps that wait for the device first, so each stage owns its GPU time."""
+    """Wall-clock laps that wait for the device first (prefill's TTFT, plain greedy steps, and the
+    line between harness work and a timed DDTree step)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -40,6 +44,38 @@ class Clock:
     def lap(self) -> float:
         t, self.t = self.t, self.now()
         return self.t - t
+
+
+class StageTimer:
+    """Stage times of one step without stalling the host between stages: CUDA events recorded
+    between the stages and read after the step's one synchronisation (the accepted tokens' copy to
+    the host); perf_counter laps on the CPU. The step's wall time is taken on the host."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def _mark(self) -> "torch.cuda.Event | float":
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+        self.marks = [self._mark()]
+
+    def stage(self) -> None:
+        self.marks.append(self._mark())
+
+    def finish(self) -> tuple[list[float], float]:
+        """(seconds of each stage, seconds of the whole step)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            stages = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            stages = [b - a for a, b in zip(self.marks, self.marks[1:])]
+        return stages, time.perf_counter() - self.t0
 
 
 @dataclass
@@ -128,47 +164,103 @@ class Decoder:
         return res
 
     def speculative(self, prompts: list[list[int]], max_new: int, budget: int,
-                    level: float = 0.0) -> DecodeResult:
+                    level: float = 0.0, marks: bool = False, graphs: bool | None = None) -> DecodeResult:
         """DDTree: draft L positions, build a B-node tree, verify it in one forward, accept, compact.
 
         level > 0 steers the drafter toward the target's continuation (synthetic acceptance,
         see engine.drafter); computing those hints is harness work, left out of every timing.
+        graphs (default: on CUDA): after one eager step, each stage is captured as a CUDA graph
+        and replayed (engine.decode.StepGraphs); the stages are the same code either way.
+        marks (CUDA): a marker kernel opens and closes each timed step (engine.gpu_busy).
         """
         if self.drafter is None:
             raise ValueError("speculative decoding needs a drafter")
         m, dr, dev = self.model, self.drafter, self.device
         cfg = m.cfg
+        graphs = dev.type == "cuda" if graphs is None else graphs
         clock = Clock(dev)
         res = DecodeResult(tokens=[], ttft_s=[])
         capacity = max(map(len, prompts)) + max_new + budget + 2 * cfg.draft_len + 2
         cache, bonus, feat = self._prefill(prompts, capacity, clock, res.ttft_s)
         bt = len(prompts)
         out = [[t] for t in bonus.tolist()]
-        active = torch.ones(bt, dtype=torch.int64, device=dev)
+        # the step's state: inputs live in fixed buffers that the stages read and the accept stage
+        # rewrites in place, so the captured graphs always see the current step
+        st = SimpleNamespace(feat=feat, bonus=bonus, active=torch.ones(bt, dtype=torch.int64, device=dev),
+                             hints=None, u=None)
+
+        def draft() -> None:
+            st.lp, st.tok = dr.draft(st.feat, st.bonus, st.hints, level, st.u)
+
+        def tree_build() -> None:
+            st.tree = ops.build_tree(st.lp, st.tok, st.bonus, budget, impl=m.impl)
+
+        def verify() -> None:
+            logits, st.hidden = m.forward(st.tree.tokens, cache.lens.unsqueeze(1) + st.tree.depths, cache,
+                                          st.tree.mask)
+            st.target_argmax = logits.argmax(-1)
+
+        def accept() -> None:
+            path, st.acc, bonus = ops.tree_accept(st.tree, st.target_argmax, impl=m.impl)
+            cache.compact(path, st.acc, st.active)
+            last = path.gather(1, st.acc.unsqueeze(1))
+            st.feat.copy_(st.hidden.gather(1, last.unsqueeze(-1).expand(-1, -1, cfg.hidden)).squeeze(1))
+            st.emitted = st.tree.tokens.gather(1, path.clamp(min=0))
+            st.bonus.copy_(bonus)
+
+        stages = dict(zip(STAGES, (draft, tree_build, verify, accept)))
+        replay: StepGraphs | None = None
+        timer = StageTimer(dev)
         while min(map(len, out)) < max_new:
-            hints = self._continuation(cache, bonus, cfg.draft_len) if level > 0 else None
-            clock.skip()
-            lp, tok = dr.draft(feat, bonus, hints, level)
-            res.stage_s["draft"].append(clock.lap())
-            tree = ops.build_tree(lp, tok, bonus, budget, impl=m.impl)
-            res.stage_s["tree_build"].append(clock.lap())
-            logits, hidden = m.forward(tree.tokens, cache.lens.unsqueeze(1) + tree.depths, cache, tree.mask)
-            target_argmax = logits.argmax(-1)
-            res.stage_s["verify"].append(clock.lap())
-            path, acc, bonus = ops.tree_accept(tree, target_argmax, impl=m.impl)
-            cache.compact(path, acc, active)
-            last = path.gather(1, acc.unsqueeze(1))
-            feat = hidden.gather(1, last.unsqueeze(-1).expand(-1, -1, cfg.hidden)).squeeze(1)
-            emitted = tree.tokens.gather(1, path.clamp(min=0))
-            acc_l, emitted_l, bonus_l = acc.tolist(), emitted.tolist(), bonus.tolist()
-            res.stage_s["accept"].append(clock.lap())
+            if level > 0:
+                hints = self._continuation(cache, st.bonus, cfg.draft_len)
+                u = dr.noise(hints)
+                if st.hints is None:
+                    st.hints, st.u = hints, u
+                else:
+                    st.hints.copy_(hints)
+                    st.u.copy_(u)
+                clock.skip()
+            timer.start()
+            if marks:
+                gpu_busy.mark()
+            for name, fn in stages.items():
+                replay.run(name) if replay else fn()
+                timer.stage()
+            acc_l, emitted_l, bonus_l = st.acc.tolist(), st.emitted.tolist(), st.bonus.tolist()
             live = [b for b in range(bt) if len(out[b]) < max_new]
             for b in live:
                 out[b] += emitted_l[b][1: acc_l[b] + 1] + [bonus_l[b]]
-            active = torch.tensor([int(len(o) < max_new) for o in out], dtype=torch.int64, device=dev)
+            st.active.copy_(torch.tensor([int(len(o) < max_new) for o in out], dtype=torch.int64))
             res.accept_len.append([acc_l[b] for b in live])
             res.emitted.append([acc_l[b] + 1 for b in live])
-            res.step_s.append(clock.lap() + sum(res.stage_s[s][-1] for s in STAGES))
+            if marks:
+                gpu_busy.mark()
+            stage_s, step_s = timer.finish()
+            for name, sec in zip(STAGES, stage_s):
+                res.stage_s[name].append(sec)
+            res.step_s.append(step_s)
+            if graphs and replay is None and min(map(len, out)) < max_new:
+                replay = StepGraphs(stages, dev)  # after one eager step: compiled, warmed up
         res.decode_s = sum(res.step_s)
         res.tokens = [o[:max_new] for o in out]
         return res
+
+
+class StepGraphs:
+    """The stages of a DDTree step captured as CUDA graphs, one graph per stage (so the stage split
+    stays measurable), sharing one memory pool. Capturing records without running: the state the
+    stages read (cache, step buffers) is untouched until the first replay."""
+
+    def __init__(self, stages: dict[str, Callable[[], None]], device: torch.device):
+        torch.cuda.synchronize(device)
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        for name, fn in stages.items():
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                fn()
+            self.graphs[name] = g
+
+    def run(self, name: str) -> None:
+        self.graphs[name].replay()

@@ -54,8 +54,13 @@ class BlockDrafter:
         x = x + swiglu(rms_norm(x, self.norm2, cfg.norm_eps), self.w13, self.w2)
         return F.linear(rms_norm(x[:, 1:], tg.final_norm, cfg.norm_eps), tg.lm_head).float()
 
-    def steer(self, logits: Tensor, hints: Tensor, level: float) -> None:
-        """In place: put hints[b, i] (>= 0) at a Geometric(level) rank of logits[b, i] (see module doc)."""
+    def noise(self, hints: Tensor) -> Tensor:
+        """Uniform draws for steer's ranks, one per hint (drawn outside any captured graph)."""
+        return torch.rand(hints.shape, generator=self.gen, device=hints.device)
+
+    def steer(self, logits: Tensor, hints: Tensor, level: float, u: Tensor | None = None) -> None:
+        """In place: put hints[b, i] (>= 0) at a Geometric(level) rank of logits[b, i] (see module doc);
+        u: uniform draws from noise() (drawn here when None)."""
         if level <= 0.0:
             return
         k = self.cfg.draft_topk
@@ -66,7 +71,7 @@ class BlockDrafter:
         if level >= 1.0:
             rank = torch.zeros_like(hints)
         else:
-            u = torch.rand(hints.shape, generator=self.gen, device=hints.device)
+            u = self.noise(hints) if u is None else u
             rank = torch.floor(torch.log1p(-u) / math.log1p(-level)).to(torch.int64).clamp(max=k)
         slots = torch.cat([others[..., :1] + 1.0, (others[..., :-1] + others[..., 1:]) / 2,
                            others[..., -1:] - 1.0], -1)  # value landing at rank 0, 1, .., k-1, outside
@@ -74,11 +79,11 @@ class BlockDrafter:
         logits.scatter_(-1, idx, new.unsqueeze(-1))
 
     def draft(self, feat: Tensor, bonus: Tensor, hints: Tensor | None = None,
-              level: float = 0.0) -> tuple[Tensor, Tensor]:
+              level: float = 0.0, u: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Top-k log-probs and tokens per position, [Bt, L, k] each, sorted descending."""
         logits = self.logits(feat, bonus)
         if hints is not None:
-            self.steer(logits, hints, level)
+            self.steer(logits, hints, level, u)
         lp, tok = torch.log_softmax(logits, -1).topk(self.cfg.draft_topk, dim=-1)
         if hints is not None and level > 0.0:
             a = min(level, 0.999)

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
 TABLES = ("runs", "kernels", "e2e", "comm")
 SOURCES = ("measured", "projected")
 MANIFEST = "manifest.json"
@@ -66,6 +66,8 @@ SCHEMAS: dict[str, pa.Schema] = {
         # the step split; comm_ms is zero on one GPU and filled by the projection for n GPUs
         _f("draft_ms", _d), _f("tree_build_ms", _d), _f("verify_ms", _d),
         _f("accept_ms", _d), _f("other_ms", _d), _f("comm_ms", _d),
+        # per step, from a profiled decode of the same point (CUDA only): GPU busy, and the rest
+        _f("kernel_ms", _d), _f("outside_ms", _d),
         _f("source", _s, False),
         _f("reference_run_id", _s), _f("tokens_per_s_low", _d), _f("tokens_per_s_high", _d),
     ]),

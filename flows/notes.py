@@ -421,6 +421,15 @@ def e2e_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
             + (", reference and target side by side: the largest target share is what matters on this machine."
                if projected else "."), ""] + _table(head, split)
     out += [f"![Amdahl shares]({rel}/amdahl.png)", ""]
+    busy = [e for e in rows if e.get("kernel_ms") is not None and e.get("outside_ms") is not None]
+    if busy:
+        out += ["## Time outside kernels", "",
+                "From a second, profiled decode of each point: GPU busy time per step (kernels and copies) "
+                "and the rest of that step (Python, launches, synchronisation, including the stage timer's own "
+                "syncs).", ""]
+        out += _table(["point", "kernels ms", "outside ms", "outside share"],
+                      [[f"B={e['budget']} c={e['concurrency']}", fmt(e["kernel_ms"], 2), fmt(e["outside_ms"], 2),
+                        f"{100 * e['outside_ms'] / (e['kernel_ms'] + e['outside_ms']):.0f}%"] for e in busy])
     if projected:
         last = rows[-1]
         b = breakdown(last)

@@ -195,13 +195,15 @@ def moe_section(log: Log, bw: float, tf: float) -> None:
 # ----------------------------------------------------------------------------- MoE decode (split-K)
 
 DECODE_M = (1, 2, 4, 8, 16)
-# (BM, BN, BK, KS, warps, stages, DOT): FMA GEMV (DOT 0, one slot a block) and 16-slot plane dots (DOT 1)
-DECODE_SWEEP: list[moe_gemm.SplitConfig] = [  # FMA and dot interleaved: a short budget still sees both
-    (1, 64, 256, 1024, 4, 3, 0), (16, 64, 256, 1024, 4, 3, 1), (1, 64, 256, 1024, 8, 3, 0),
-    (16, 128, 128, 1024, 4, 3, 1), (1, 32, 256, 1024, 4, 3, 0), (16, 64, 128, 1024, 4, 4, 1),
-    (1, 128, 256, 1024, 8, 3, 0), (16, 64, 256, 512, 8, 3, 1), (1, 64, 256, 512, 4, 3, 0),
-    (1, 64, 256, 3584, 8, 3, 0), (1, 64, 512, 1024, 8, 2, 0), (1, 32, 512, 1024, 4, 2, 0),
-    (1, 64, 128, 1024, 4, 4, 0), (1, 128, 128, 1024, 4, 3, 0),
+# (path, (BM, BN, BK, KS, warps, stages, DOT)): FMA GEMV one slot a block (DOT 0; + 4: the next step's
+# loads in flight; + 8: packed bf16x2 FMAs in PTX), blocks found in registers ("split") or from align()
+# ("grouped").
+DECODE_SWEEP: list[tuple[str, moe_gemm.SplitConfig]] = [
+    ("split", (1, 64, 256, 3584, 4, 3, 4)), ("split", (1, 64, 256, 3584, 4, 3, 12)),
+    ("split", (1, 64, 256, 3584, 4, 3, 8)), ("split", (1, 128, 256, 3584, 8, 3, 12)),
+    ("split", (1, 64, 256, 3584, 8, 3, 12)), ("split", (1, 32, 256, 3584, 4, 3, 12)),
+    ("grouped", (1, 64, 256, 3584, 8, 3, 0)), ("grouped", (1, 64, 256, 3584, 8, 3, 12)),
+    ("grouped", (1, 64, 256, 3584, 4, 3, 12)), ("grouped", (1, 128, 256, 3584, 8, 3, 12)),
 ]
 
 
@@ -215,19 +217,20 @@ def _warm_weights(e: int) -> tuple[torch.Tensor, ...]:
 
 
 def _warm_decode(cfgs: list) -> str:
-    """Compile the split-K kernels for `cfgs` in a child process (fills the shared Triton cache)."""
+    """Compile the split-K kernels for `cfgs` ((path, config) pairs) in a child process (fills the
+    shared Triton cache)."""
     e = 8
     w = _warm_weights(e)
     errs = []
-    for c in cfgs:
+    for path, c in cfgs:
         for m in (1, 8):
             x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
             ids = torch.rand(m, e, device="cuda").topk(TOPK, -1).indices
             wts = torch.softmax(torch.randn(m, TOPK, device="cuda"), -1)
             try:
-                moe_gemm.moe_w4a16(x, *w, ids, wts, configs={"gate_up": c, "down": c}, path="split")
+                moe_gemm.moe_w4a16(x, *w, ids, wts, configs={"gate_up": c, "down": c}, path=path)
             except Exception as exc:
-                errs.append(f"{c}: {exc!r}"[:300])
+                errs.append(f"{path} {c}: {exc!r}"[:300])
                 break
     torch.cuda.synchronize()
     return "; ".join(errs)
@@ -249,12 +252,12 @@ def moe_decode_section(log: Log, bw: float) -> None:
     nbytes = {m: sum(int(torch.unique(ids).numel()) * EXPERT_BYTES + 2 * m * H * 2 for _, ids, _ in inputs[m]) / 3
               for m in DECODE_M}
 
-    def run(m: int, i: int, cfg: dict | None, split: bool) -> torch.Tensor:
+    def run(m: int, i: int, cfg: dict | None, path: str) -> torch.Tensor:
         x, ids, wts = inputs[m][i]
-        return moe_gemm.moe_w4a16(x, *sets[i], ids, wts, configs=cfg, path="split" if split else "tiled")
+        return moe_gemm.moe_w4a16(x, *sets[i], ids, wts, configs=cfg, path=path)
 
-    def timed(m: int, cfg: dict | None, split: bool = True) -> float:
-        return bench(lambda: [run(m, i, cfg, split) for i in range(3)]) / 3
+    def timed(m: int, cfg: dict | None, path: str) -> float:
+        return bench(lambda: [run(m, i, cfg, path) for i in range(3)]) / 3
 
     def rec(m: int, us: float) -> dict[str, float]:
         return {"us": us, "gbps": nbytes[m] / us / 1e3, "pct_copy_bw": 100 * nbytes[m] / bw / (us * 1e-6),
@@ -262,44 +265,45 @@ def moe_decode_section(log: Log, bw: float) -> None:
 
     for m in (1, 16):  # the shipped tiled path, same inputs, for the before / after
         if log.time_left() > 150:
-            err = rel_err(run(m, 0, None, False), refs[m])
+            err = rel_err(run(m, 0, None, "tiled"), refs[m])
             log(section="moedec_baseline", m=m, cfg=str(moe_gemm.CONFIGS["decode"]["gate_up"]), rel_err=err,
-                **rec(m, timed(m, None, False)))
+                **rec(m, timed(m, None, "tiled")))
     best: dict[int, tuple[Any, float]] = {}
-    for c in DECODE_SWEEP:
+    for path, c in DECODE_SWEEP:
         cfg = {"gate_up": c, "down": c}
         for m in DECODE_M:
             if log.time_left() < 25:
                 break
             try:
-                err = rel_err(run(m, 0, cfg, True), refs[m])
+                err = rel_err(run(m, 0, cfg, path), refs[m])
                 if not err < 1e-2:
-                    log(section="moedec_sweep", m=m, cfg=str(c), rel_err=err, error="wrong result")
+                    log(section="moedec_sweep", m=m, path=path, cfg=str(c), rel_err=err, error="wrong result")
                     continue
-                us = timed(m, cfg)
+                us = timed(m, cfg, path)
             except Exception as exc:
-                log(section="moedec_sweep", m=m, cfg=str(c), error=repr(exc)[-300:])
+                log(section="moedec_sweep", m=m, path=path, cfg=str(c), error=repr(exc)[-300:])
                 break
-            log(section="moedec_sweep", m=m, cfg=str(c), rel_err=err, **rec(m, us))
+            log(section="moedec_sweep", m=m, path=path, cfg=str(c), rel_err=err, **rec(m, us))
             if m not in best or us < best[m][1]:
-                best[m] = (c, us)
+                best[m] = ((path, c), us)
     poisoned(moe_gemm)
     for m in DECODE_M:  # the picks, re-checked on fresh inputs with poisoned buffers
         if m not in best:
             continue
-        c = best[m][0]
+        path, c = best[m][0]
         i = m % 3
         x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
         ids, wts = routing(m)
-        err = rel_err(moe_gemm.moe_w4a16(x, *sets[i], ids, wts, configs={"gate_up": c, "down": c}),
+        err = rel_err(moe_gemm.moe_w4a16(x, *sets[i], ids, wts, configs={"gate_up": c, "down": c}, path=path),
                       reference.moe_w4a16(x, *sets[i], ids, wts))
-        log(section="moedec_pick", m=m, cfg=str(c), rel_err=err, ok=err < 1e-2, **rec(m, best[m][1]))
+        log(section="moedec_pick", m=m, path=path, cfg=str(c), rel_err=err, ok=err < 1e-2, **rec(m, best[m][1]))
     unpoisoned(moe_gemm)
     for m in (1, 16):  # host cost: eager (one weight set) against graph replay
         if m in best:
-            cfg = {"gate_up": best[m][0], "down": best[m][0]}
-            log(section="moedec_eager", m=m, eager_us=bench(lambda: run(m, 0, cfg, True), graph=False),
-                graph_us=bench(lambda: run(m, 0, cfg, True)))
+            path, c = best[m][0]
+            cfg = {"gate_up": c, "down": c}
+            log(section="moedec_eager", m=m, path=path, eager_us=bench(lambda: run(m, 0, cfg, path), graph=False),
+                graph_us=bench(lambda: run(m, 0, cfg, path)))
     del sets
 
 
@@ -313,7 +317,7 @@ GROUPED_SWEEP: list[moe_gemm.SplitConfig] = [  # DOT + 4: words and scales doubl
     (32, 64, 256, 7168, 4, 3, 1), (32, 64, 256, 7168, 8, 3, 6), (32, 128, 128, 7168, 8, 3, 1),
     (32, 128, 128, 7168, 4, 3, 2), (64, 128, 128, 7168, 8, 3, 5), (64, 128, 128, 7168, 8, 3, 2),
     (16, 64, 256, 1024, 4, 3, 5), (16, 128, 256, 1024, 8, 3, 2), (16, 32, 256, 2048, 4, 3, 1),
-    (1, 64, 256, 3584, 8, 3, 0),
+    (1, 64, 256, 3584, 8, 3, 0), (1, 64, 256, 3584, 8, 3, 4),
 ]
 
 
@@ -488,8 +492,10 @@ def accept_target(tree: Tree, follow: float) -> torch.Tensor:
 def tree_section(log: Log) -> None:
     poisoned(tree_build)
     poisoned(tree_accept)
-    for budget, ties in ((64, False), (256, True), (1024, False), (1024, True)):
-        lp, tok = draft(16, 16, 8, ties)
+    for budget, ties in ((64, False), (256, True), (1024, False), (1024, True), (512, None)):
+        lp, tok = draft(16, 16, 8, bool(ties))
+        if ties is None:  # every score equal: the insertion counters decide the whole tree
+            lp.zero_()
         root = torch.randint(0, 1000, (16,), device="cuda")
         gpu = tree_build.build_tree(lp, tok, root, budget)
         cpu = reference.build_tree(lp, tok, root, budget)
@@ -505,7 +511,7 @@ def tree_section(log: Log) -> None:
     for budget in (64, 256, 1024):
         lp, tok = draft(16, 16, 8, False)
         root = torch.randint(0, 1000, (16,), device="cuda")
-        for warps in (2, 4, 8):
+        for warps in (1, 2, 4):
             us = bench(lambda: tree_build.build_tree(lp, tok, root, budget, num_warps=warps))
             log(section="tree_time", budget=budget, bt=16, num_warps=warps, us=us)
         t0 = time.perf_counter()

@@ -69,6 +69,23 @@ _ASM_W4_BF16 = tl.constexpr(_ASM_HEAD + "".join(
     _ASM_PAIR.format(hi=4 + j, lo=j, a=2 * j, b=2 * j + 1) for j in range(4)) + "}")
 
 
+# word (two's-complement nibbles) . four bf16x2 activation pairs -> one bf16x2 partial (two sums of
+# four products): each pair of nibbles dequantized to exact bf16 q as above, then one bf16x2 FMA
+# with the pair-plane of the activation (the FMA path's layout): 18 instructions for 8 weights.
+_ASM_W4_DOT = tl.constexpr("""{
+.reg .b32 t, u, d, acc, one, m136;
+mov.b32 one, 0x3F803F80;
+mov.b32 m136, 0xC308C308;
+mov.b32 acc, 0;
+xor.b32 t, $1, 0x88888888;
+shr.u32 u, t, 4;
+""" + "".join(f"""prmt.b32 d, t, u, 0x0{4 + p}0{p};
+lop3.b32 d, d, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 d, d, one, m136;
+fma.rn.bf16x2 acc, d, ${2 + p}, acc;
+""" for p in range(4)) + "mov.b32 $0, acc;\n}")
+
+
 @triton.jit
 def _nibble(words, j: tl.constexpr):
     """Element j of each word as fp32 without an int-to-float conversion: (q ^ 8) sits under the
@@ -290,15 +307,18 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
 # (BM, BN, BK, KS, num_warps, num_stages, DOT) per kernel, by the largest M of the bucket.
 # BM slots per block, BN weight rows, BK of K per step, KS of K per program.
 # DOT 0: FMA GEMV, one slot per block (BM must be 1); the activation is pre-permuted so that its
-#   int32 pairs line up with the weight words (same [BN, BK/8] layout: no shared-memory shuffles).
+#   int32 pairs line up with the weight words (same [BN, BK/8] layout: no shared-memory shuffles);
+#   DOT 4: the same with the next step's words, scales and activations loaded one step ahead;
+#   DOT 8 (+ 4): the same with packed bf16x2 FMAs in PTX (bf16 on the GPU; plain FMA elsewhere).
 # DOT 1: plane dots on the MMA units, slots padded to 16; DOT 2: dequantize + interleave to [BN, BK]
 #   and one tl.dot against contiguous activations; + 4 (DOT 5 / 6): words and scales loaded one step
 #   ahead into registers (double-buffered).
 SplitConfig = tuple[int, int, int, int, int, int, int]
-SPLIT_MAX_SLOTS = 128  # M * top-k up to this goes split-K (M <= 16 at K2's top-8)
-# H200 sweep (NOTES.md, run 4): the same config was the fastest verified one at every M = 1..16.
+SPLIT_MAX_SLOTS = 64  # M * top-k up to this goes split-K (M <= 8 at K2's top-8)
+# H200 sweeps (NOTES.md, runs 4, 6, 7): FMA with the next step's loads in flight, packed bf16x2 FMAs.
 SPLIT_CONFIGS: dict[int, dict[str, SplitConfig]] = {
-    16: {"gate_up": (1, 64, 256, 3584, 8, 3, 0), "down": (1, 64, 256, 3584, 8, 3, 0)},
+    1: {"gate_up": (1, 64, 256, 3584, 4, 3, 12), "down": (1, 64, 256, 3584, 4, 3, 12)},
+    8: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)},
 }
 
 
@@ -309,10 +329,11 @@ def split_config(m: int) -> dict[str, SplitConfig]:
 
 # Grouped split-K (above SPLIT_MAX_SLOTS): the same kernel with its blocks from align() (BM slots of
 # one expert, so each weight tile is dequantized once per block), by the largest M of the bucket;
-# M above the last bucket takes the last. H200 sweep (NOTES.md, run 5): the fastest verified config
-# at M = 32, 64, 128, 256, 512, 1024 (KS 7168 = all of K: no K split won at these sizes).
+# M above the last bucket takes the last. H200 sweeps (NOTES.md, runs 5 and 7): the fastest verified
+# config at M = 16, 32 (the packed FMA at 32 is carried over from 16, where it beat run 5's FMA pick
+# by 13 %), 64, 128, 256, 512, 1024 (KS 7168 = all of K: no K split won at these sizes).
 GROUPED_CONFIGS: dict[int, dict[str, SplitConfig]] = {
-    32: {"gate_up": (1, 64, 256, 3584, 8, 3, 0), "down": (1, 64, 256, 3584, 8, 3, 0)},
+    32: {"gate_up": (1, 64, 256, 3584, 8, 3, 12), "down": (1, 64, 256, 3584, 8, 3, 12)},
     512: {"gate_up": (16, 128, 128, 7168, 4, 3, 1), "down": (16, 128, 128, 7168, 4, 3, 1)},
     1024: {"gate_up": (32, 128, 128, 7168, 4, 3, 2), "down": (32, 128, 128, 7168, 4, 3, 2)},
 }
@@ -369,6 +390,13 @@ def _unpack_pair(v, BF16: tl.constexpr):
         lo = v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
+
+
+@triton.jit
+def _load_pairs(xp, k0, W: tl.constexpr):
+    """The four pair-planes (int32 words of two activations) of the FMA path's step at k0."""
+    return (tl.load(xp + k0 // 2), tl.load(xp + k0 // 2 + W), tl.load(xp + k0 // 2 + 2 * W),
+            tl.load(xp + k0 // 2 + 3 * W))
 
 
 @triton.jit
@@ -460,15 +488,33 @@ def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_row
             # pair-plane p of a chunk: W int32 words, word w = elements 8w + 2p, 8w + 2p + 1
             xp = a_ptr + arow * (K // 2) + kbeg // 2 + rw[None, :] + 0 * rn[:, None]
             acc2 = tl.zeros((BN, W), dtype=tl.float32)
+            if DOT & 4:
+                words_next = tl.load(wq)
+                sc_next = tl.load(ws)
+                p0n, p1n, p2n, p3n = _load_pairs(xp, 0, W)
             for k0 in range(0, KS, BK):
-                words = tl.load(wq + k0 // 8)
-                sc = tl.load(ws + k0 // 32)
+                if DOT & 4:  # registers double-buffered: the next step's loads fly during this step
+                    words, sc, p0, p1, p2, p3 = words_next, sc_next, p0n, p1n, p2n, p3n
+                    kn = tl.minimum(k0 + BK, KS - BK)
+                    words_next = tl.load(wq + kn // 8)
+                    sc_next = tl.load(ws + kn // 32)
+                    p0n, p1n, p2n, p3n = _load_pairs(xp, kn, W)
+                else:
+                    words = tl.load(wq + k0 // 8)
+                    sc = tl.load(ws + k0 // 32)
+                    p0, p1, p2, p3 = _load_pairs(xp, k0, W)
                 sw = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, G, 4)), (BN, W))
-                x0, x1 = _unpack_pair(tl.load(xp + k0 // 2), BF16)
-                x2, x3 = _unpack_pair(tl.load(xp + k0 // 2 + W), BF16)
-                x4, x5 = _unpack_pair(tl.load(xp + k0 // 2 + 2 * W), BF16)
-                x6, x7 = _unpack_pair(tl.load(xp + k0 // 2 + 3 * W), BF16)
-                acc2 += _word_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, magic) * sw.to(tl.float32)
+                if DOT & 8:  # bf16x2 FMAs in PTX: two partial sums of four products a word
+                    lo, hi = _unpack_pair(tl.inline_asm_elementwise(
+                        _ASM_W4_DOT, "=r,r,r,r,r,r", [words, p0, p1, p2, p3], dtype=tl.int32, is_pure=True,
+                        pack=1), True)
+                    acc2 += (lo + hi) * sw.to(tl.float32)
+                else:
+                    x0, x1 = _unpack_pair(p0, BF16)
+                    x2, x3 = _unpack_pair(p1, BF16)
+                    x4, x5 = _unpack_pair(p2, BF16)
+                    x6, x7 = _unpack_pair(p3, BF16)
+                    acc2 += _word_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, magic) * sw.to(tl.float32)
             acc = tl.sum(acc2, axis=1)[:, None]
         if WEIGHTED:
             acc = acc * tl.load(tw_ptr + slot, mask=valid, other=0.0)[None, :]
@@ -511,7 +557,7 @@ def _sum_slots(part_ptr, out_ptr, M, S, N, TOPK: tl.constexpr, SPLITS: tl.conste
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 
-def _plan(cfg: SplitConfig, n: int, k: int, on_gpu: bool) -> SplitConfig:
+def _plan(cfg: SplitConfig, n: int, k: int, on_gpu: bool, bf16_gpu: bool) -> SplitConfig:
     """The config as it will run on an [n, k] weight: chunks clipped to the shape."""
     bm, bn, bk, ks, warps, stages, dot = cfg
     bn, ks = min(bn, n), min(ks, k)
@@ -520,7 +566,9 @@ def _plan(cfg: SplitConfig, n: int, k: int, on_gpu: bool) -> SplitConfig:
     bk = min(bk, ks)
     if (dot & 3) == 1 and bk < 128 and on_gpu:
         dot += 1  # plane dots need K >= 16 per plane on the GPU: one interleaved dot instead
-    bm = max(bm, 16) if dot else 1  # tl.dot needs 16 columns (padding slots masked); FMA: one slot
+    bm = max(bm, 16) if dot & 3 else 1  # tl.dot needs 16 columns (padding slots masked); FMA: one slot
+    if dot & 8 and (dot & 3 or not bf16_gpu):
+        dot -= 8  # the packed bf16x2 FMA is an FMA-path, bf16, PTX-only variant
     if n % bn or k % ks or ks % bk or bk % 32:
         raise ValueError(f"moe_w4a16: N={n}, K={k} do not tile by BN={bn}, KS={ks}, BK={bk}")
     return bm, bn, bk, ks, warps, stages, dot
@@ -548,7 +596,7 @@ def _split_launch(a: Tensor, ids: Tensor, wq: Tensor, ws: Tensor, tw: Tensor, n:
         a, ids, wq, ws, part, tw, s, n, k, a_rows_per_slot, 0x4B000000, slots, seg, cnt, bexp, bms, experts,
         ALIGNED=al is not None, WEIGHTED=weighted, BM=bm, BN=bn, BK=bk, KS=ks,
         SP=32 if s <= 32 or al is not None else triton.next_power_of_2(s), DOT=dot,  # two variants up to 128 slots
-        ASM=bool(dot and bf16 and wq.is_cuda), BF16=bf16, num_warps=warps, num_stages=stages)
+        ASM=bool(dot & 3 and bf16 and wq.is_cuda), BF16=bf16, num_warps=warps, num_stages=stages)
     return part
 
 
@@ -560,18 +608,18 @@ def _moe_split(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tens
     s = m * topk
     bf16 = x.dtype == torch.bfloat16
     ids = topk_ids.reshape(-1).contiguous()
-    gu_plan = _plan(cfg["gate_up"], 2 * inter, h, x.is_cuda)
-    dn_plan = _plan(cfg["down"], h, inter, x.is_cuda)
+    gu_plan = _plan(cfg["gate_up"], 2 * inter, h, x.is_cuda, bf16 and x.is_cuda)
+    dn_plan = _plan(cfg["down"], h, inter, x.is_cuda, bf16 and x.is_cuda)
     e = w13_q.shape[0]
     gu_al = align(topk_ids, e, gu_plan[0]) if aligned else None
     dn_al = (gu_al if dn_plan[0] == gu_plan[0] else align(topk_ids, e, dn_plan[0])) if aligned else None
-    a = x if gu_plan[6] else _permute(x, gu_plan[2])
+    a = x if gu_plan[6] & 3 else _permute(x, gu_plan[2])
     gu = _split_launch(a, ids, w13_q, w13_s, tw, 2 * inter, h, topk, False, gu_plan, bf16, gu_al)
     hbuf = torch.empty(s, inter, dtype=x.dtype, device=x.device)
     block = 1024
     _silu_mul[(triton.cdiv(s * inter, block),)](gu, hbuf, s, inter, SPLITS=gu.shape[0],
-                                               PERM=0 if dn_plan[6] else dn_plan[2], BLOCK=block)
-    a = hbuf if dn_plan[6] else hbuf.view(torch.int32)
+                                               PERM=0 if dn_plan[6] & 3 else dn_plan[2], BLOCK=block)
+    a = hbuf if dn_plan[6] & 3 else hbuf.view(torch.int32)
     dn = _split_launch(a, ids, w2_q, w2_s, tw, h, inter, 1, True, dn_plan, bf16, dn_al)
     out = torch.empty(m, h, dtype=x.dtype, device=x.device)
     _sum_slots[(triton.cdiv(m * h, block),)](dn, out, m, s, h, TOPK=topk, SPLITS=dn.shape[0], BLOCK=block)

@@ -1,10 +1,12 @@
 """GPU DDTree builder: the CPU heap's exact tree, one Triton program per sequence.
 
-The heap becomes a register frontier of <= B+2 candidates, each one int64 key
+Every heap item is one int64 key
   [ 31 bits: order of -score | CBITS: ~insertion counter | PBITS: parent | GBITS: (depth-1)*k + rank ]
-so one max-reduction pops the candidate the CPU heap pops (smallest -score, then earliest
-insertion; counters are unique, so the low fields never decide) and carries its fields with it.
-Scores are <= 0 (sums of log-probs), so -score >= 0 and its float bits order like the value.
+so the largest key is the item the CPU heap pops (smallest -score, then earliest insertion;
+counters are unique, so the low fields never decide) and carries its fields with it. Scores are
+<= 0 (sums of log-probs), so -score >= 0 and its float bits order like the value.
+The heap itself becomes L*k FIFO queues, one per (depth, rank) (see _tree_fifo): a pop is one
+reduction over L*k queue heads instead of over the whole frontier.
 A second kernel writes the ancestor-or-self mask by walking each row's parent chain.
 """
 
@@ -31,51 +33,102 @@ def _key(score, counter, parent, g, CBITS: tl.constexpr, PBITS: tl.constexpr, GB
 
 
 @triton.jit
-def _tree_heap(lp_ptr, tok_ptr, root_ptr, otok_ptr, opar_ptr, odep_ptr, osc_ptr, L, K, n1,
-               CAP: tl.constexpr, CBITS: tl.constexpr, PBITS: tl.constexpr, GBITS: tl.constexpr):
+def _take_max(k1, a1, k2, a2):
+    """Combine for tl.reduce: the larger key and its aux word (keys of live heads are unique)."""
+    take = k1 > k2
+    return tl.where(take, k1, k2), tl.where(take, a1, a2)
+
+
+@triton.jit
+def _tree_fifo(lp_ptr, tok_ptr, root_ptr, otok_ptr, opar_ptr, odep_ptr, osc_ptr, qk_ptr, qs_ptr, L, K, n1,
+               QP: tl.constexpr, QCAP: tl.constexpr, CBITS: tl.constexpr, PBITS: tl.constexpr,
+               GBITS: tl.constexpr):
+    """The heap as L*K FIFO queues, one per (depth d, rank r): queue g = (d-1)*K + r holds the pending
+    items (parent p, rank r) for the parents p of depth d-1 in pop order, so its keys increase from
+    head to tail and the heap's next pop is the largest head key. Lane g of the program owns queue g:
+    its head and second item in registers, later items in qk/qs[g, position of the parent among the
+    popped nodes of depth d-1], written and read back by lane g's own thread only. One tuple
+    max-reduction over the heads a pop; everything else is lane-wise, nothing waits on memory."""
     b = tl.program_id(0)
-    lp_b = lp_ptr + b * L * K
-    tok_b = tok_ptr + b * L * K
     ob = b.to(tl.int64) * n1
-    idx = tl.arange(0, CAP)
-    zero = tl.sum(idx * 0, 0)  # scalar int32 0 that the compiler treats as a loop-carried tensor
-    s0 = tl.load(lp_b)
-    keys = tl.where(idx == 0, _key(s0, zero, zero, zero, CBITS, PBITS, GBITS), -1)
-    psc = tl.zeros((CAP,), tl.float32)
+    lane = tl.arange(0, QP)
+    live = lane < L * K
+    lq = tl.load(lp_ptr + b * L * K + lane, mask=live, other=0.0)  # log-prob of queue g's rank at its depth
+    lt = tl.load(tok_ptr + b * L * K + lane, mask=live, other=0)
+    lane_depth = lane // K + 1
+    lane_rank = lane % K
+    qk_l = qk_ptr + b.to(tl.int64) * QP * QCAP + lane * QCAP
+    qs_l = qs_ptr + b.to(tl.int64) * QP * QCAP + lane * QCAP
+    zero = tl.sum(lane * 0, 0)
     tl.store(otok_ptr + ob, tl.load(root_ptr + b))
     tl.store(opar_ptr + ob, -1)
     tl.store(odep_ptr + ob, 0)
     tl.store(osc_ptr + ob, 0.0)
+    first = lane == 0
+    hkey = tl.where(first, _key(lq, zero, zero, lane, CBITS, PBITS, GBITS), -1)
+    hpsc = tl.zeros((QP,), tl.float32)
+    nkey = tl.full((QP,), -1, tl.int64)
+    npsc = tl.zeros((QP,), tl.float32)
+    qlen = first.to(tl.int32)
+    hpos = tl.zeros((QP,), tl.int32)
+    plen = tl.zeros((QP,), tl.int32)  # popped nodes so far at depth lane_depth (queue g + K's parents)
+    pend = lane < 0  # lanes whose second slot takes the item loaded last step
+    pkey = nkey
+    ppsc = npsc
     counter = zero + 1
-    nslots = zero + 1
     gmask = (1 << GBITS) - 1
     pmask = (1 << PBITS) - 1
     for node in range(1, n1):
-        best = tl.max(keys, 0)
-        sel = keys == best
-        pscore = tl.sum(tl.where(sel, psc, 0.0), 0)
+        aux = (hpsc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (hpos.to(tl.int64) << 16) | plen.to(tl.int64)
+        best, baux = tl.reduce((hkey, aux), 0, _take_max)
+        nkey = tl.where(pend, pkey, nkey)  # last step's refill lands after this step's pop was chosen
+        npsc = tl.where(pend, ppsc, npsc)
         g = (best & gmask).to(tl.int32)
         par = ((best >> GBITS) & pmask).to(tl.int32)
+        # the popped item's score, exactly, from its key (scores are <= 0 and never -0.0)
+        neg = (0x7FFFFFFF - (best >> (CBITS + PBITS + GBITS))).to(tl.int32).to(tl.float32, bitcast=True)
+        score = 0.0 - neg
+        pscore = (baux >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        hp = ((baux >> 16) & 0xFFFF).to(tl.int32)
+        pl = (baux & 0xFFFF).to(tl.int32)
         d = g // K + 1
-        r = g % K
-        score = pscore + tl.load(lp_b + g)
-        tl.store(otok_ptr + ob + node, tl.load(tok_b + g))
+        pop = lane == g
+        tl.store(otok_ptr + ob + node + lane * 0, lt, mask=pop)
         tl.store(opar_ptr + ob + node, par.to(tl.int64))
         tl.store(odep_ptr + ob + node, d.to(tl.int64))
         tl.store(osc_ptr + ob + node, score)
-        has_sib = r + 1 < K
-        s_sib = pscore + tl.load(lp_b + g + 1, mask=has_sib, other=0.0)
-        k_sib = _key(s_sib, counter, par, g + 1, CBITS, PBITS, GBITS)
+        # the sibling (queue g + 1, same parent, position hp) and the first child (queue d*K, position pl)
+        has_sib = g % K + 1 < K
+        sib = (lane == g + 1) & has_sib
+        k_sib = _key(pscore + lq, counter, par, lane, CBITS, PBITS, GBITS)
         counter += has_sib.to(tl.int32)
-        has_child = d < L
-        s_ch = score + tl.load(lp_b + d * K, mask=has_child, other=0.0)
-        k_ch = _key(s_ch, counter, zero + node, d * K, CBITS, PBITS, GBITS)
-        counter += has_child.to(tl.int32)
-        keys = tl.where(sel, tl.where(has_sib, k_sib, -1), keys)
-        put = (idx == nslots) & has_child
-        keys = tl.where(put, k_ch, keys)
-        psc = tl.where(put, score, psc)
-        nslots += has_child.to(tl.int32)
+        ch = (lane == d * K) & (d < L)
+        k_ch = _key(score + lq, counter, zero + node, lane, CBITS, PBITS, GBITS)
+        counter += (d < L).to(tl.int32)
+        tl.store(qk_l + hp, k_sib, mask=sib)
+        tl.store(qs_l + hp, pscore + lq * 0, mask=sib)
+        tl.store(qk_l + pl, k_ch, mask=ch)
+        tl.store(qs_l + pl, score + lq * 0, mask=ch)
+        # the popped queue: its second item moves up, its third (if any) is fetched for the next step
+        pend = pop & (qlen >= 3)
+        pkey = tl.load(qk_l + hpos + 2, mask=pend, other=-1)
+        ppsc = tl.load(qs_l + hpos + 2, mask=pend, other=0.0)
+        hkey = tl.where(pop, nkey, hkey)
+        hpsc = tl.where(pop, npsc, hpsc)
+        nkey = tl.where(pop, -1, nkey)
+        hpos += pop.to(tl.int32)
+        qlen -= pop.to(tl.int32)
+        # appends: into the head slot of an empty queue, the second slot of a one-item queue
+        new = sib | ch
+        newkey = tl.where(sib, k_sib, k_ch)
+        newpsc = tl.where(sib, pscore, score)
+        hkey = tl.where(new & (qlen == 0), newkey, hkey)
+        hpsc = tl.where(new & (qlen == 0), newpsc, hpsc)
+        hpos = tl.where(new & (qlen == 0), tl.where(sib, hp, pl), hpos)
+        nkey = tl.where(new & (qlen == 1), newkey, nkey)
+        npsc = tl.where(new & (qlen == 1), newpsc, npsc)
+        qlen += new.to(tl.int32)
+        plen += (lane_depth == d).to(tl.int32)
 
 
 @triton.jit
@@ -114,15 +167,16 @@ def build_tree(topk_logprobs: Tensor, topk_tokens: Tensor, root_tokens: Tensor, 
         raise ValueError(f"budget {budget} exceeds the prefixes of L={length}, k={k}")
     n1 = budget + 1
     dev = topk_logprobs.device
-    lp = topk_logprobs.float().contiguous()
-    tk = topk_tokens.to(torch.int64).contiguous()
+    qp, qcap = triton.next_power_of_2(length * k), n1 + 2
     tokens = torch.empty(bt, n1, dtype=torch.int64, device=dev)
     parents = torch.empty(bt, n1, dtype=torch.int64, device=dev)
     depths = torch.empty(bt, n1, dtype=torch.int64, device=dev)
     scores = torch.empty(bt, n1, dtype=torch.float32, device=dev)
-    _tree_heap[(bt,)](lp, tk, root_tokens.to(torch.int64).contiguous(), tokens, parents, depths, scores,
-                      length, k, n1, CAP=triton.next_power_of_2(budget + 2),
-                      CBITS=cbits, PBITS=pbits, GBITS=gbits, num_warps=num_warps)
+    qk = torch.empty(bt, qp, qcap, dtype=torch.int64, device=dev)
+    qs = torch.empty(bt, qp, qcap, dtype=torch.float32, device=dev)
+    _tree_fifo[(bt,)](topk_logprobs.float().contiguous(), topk_tokens.to(torch.int64).contiguous(),
+                      root_tokens.to(torch.int64).contiguous(), tokens, parents, depths, scores, qk, qs,
+                      length, k, n1, QP=qp, QCAP=qcap, CBITS=cbits, PBITS=pbits, GBITS=gbits, num_warps=num_warps)
     mask = torch.empty(bt, n1, n1, dtype=torch.bool, device=dev)
     br = 16
     _tree_mask[(bt, triton.cdiv(n1, br))](parents, mask.view(torch.int8), n1, length, BR=br,

@@ -55,3 +55,24 @@ def test_arch_and_device_checks():
     assert pick_device("auto", cpu).type == "cpu"
     with pytest.raises(UsageError, match="no CUDA GPU"):
         pick_device("cuda", cpu)
+
+
+def test_busy_windows_union_kernels_between_marks():
+    from engine.gpu_busy import MARK, busy_per_window
+
+    ms = 1_000_000  # ns
+    acts = [
+        ("hint_kernel", 0, 5 * ms),                # before the first mark: harness work, not counted
+        (f"at::cuda::{MARK}(long)", 10 * ms, 10 * ms + 1),
+        ("gemm", 11 * ms, 13 * ms),
+        ("copy", 12 * ms, 14 * ms),                # overlaps gemm: the union counts 11..14
+        ("attn", 20 * ms, 21 * ms),
+        (f"at::cuda::{MARK}(long)", 30 * ms, 30 * ms + 1),
+        ("hint_kernel", 31 * ms, 40 * ms),         # between steps: not counted
+        (f"at::cuda::{MARK}(long)", 50 * ms, 50 * ms + 1),
+        ("inner", 52 * ms, 53 * ms),
+        ("nested", 52 * ms + 1, 52 * ms + 2),      # inside the previous interval: adds nothing
+        (f"at::cuda::{MARK}(long)", 60 * ms, 60 * ms + 1),
+    ]
+    got = busy_per_window(reversed(acts))  # input order does not matter
+    assert got == pytest.approx([0.004, 0.001])

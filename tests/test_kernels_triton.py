@@ -83,13 +83,13 @@ def test_moe_matches_reference(m: int, expand: int, prefetch: int) -> None:
 
 
 @inner
-@pytest.mark.parametrize("m,e,dot", [(1, 8, 0), (7, 8, 0), (24, 4, 1)])
+@pytest.mark.parametrize("m,e,dot", [(1, 8, 0), (7, 8, 0), (5, 8, 4), (24, 4, 1)])
 def test_moe_split_k_matches_reference(m: int, e: int, dot: int) -> None:
     """The decode path: per-program block finding (m=24 over 4 experts: 18 slots each, so two
     16-slot blocks per expert), two K splits in gate_up, SiLU x up (permuted for the FMA down
-    pass), the split + top-k sum."""
+    pass), the split + top-k sum; FMA with and without the register double-buffer (DOT 4)."""
     cfg = (16, 32, 64, 128, 4, 1, dot)
-    _check_moe(m, e, 200 + m, {"gate_up": cfg, "down": cfg})
+    _check_moe(m, e, 200 + m, {"gate_up": cfg, "down": cfg}, path="split")
 
 
 @inner
@@ -149,12 +149,17 @@ def _draft(bt: int, length: int, k: int, seed: int, ties: bool) -> tuple[torch.T
 
 
 @inner
-@pytest.mark.parametrize("length,k,budget,ties", [(4, 3, 20, False), (6, 4, 60, True), (3, 2, 14, False)])
-def test_tree_build_is_the_cpu_heap(length: int, k: int, budget: int, ties: bool) -> None:
+@pytest.mark.parametrize("length,k,budget,ties", [(4, 3, 20, False), (6, 4, 60, True), (3, 2, 14, False),
+                                                  (3, 3, 30, None)])
+def test_tree_build_is_the_cpu_heap(length: int, k: int, budget: int, ties: bool | None) -> None:
+    """The GPU builder against the CPU heap: random log-probs, a coarse grid (many equal scores,
+    the insertion counters break them), all equal (ties: None; the counters decide everything)."""
     from kernels import reference, tree_build
     from kernels.gpu_check import poisoned, unpoisoned
 
-    lp, tok = _draft(3, length, k, budget, ties)
+    lp, tok = _draft(3, length, k, budget, bool(ties))
+    if ties is None:
+        lp.zero_()
     root = torch.tensor([11, 12, 13])
     want = reference.build_tree(lp, tok, root, budget)
     poisoned(tree_build)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.schema import read_table
 from flows.inventory import Inventory, load_inventory, update_host
 from flows.notes import NotesError, commit_notes, gather, leaks, notes_message, render_notes, summary_lines
 from flows.projection import project_host
@@ -79,6 +80,16 @@ def test_projected_page_never_calls_itself_measured(rendered: tuple[Store, Path]
         assert "## Projection" in text and "Assumptions:" in text and "band (us)" in text
     h200 = (notes / "h200.md").read_text()
     assert h200.splitlines()[0].endswith(": measured") and "plateau M = " in h200
+    assert "## Time outside kernels" in h200 and "Time outside kernels" not in (notes / "b300.md").read_text()
+
+
+def test_outside_kernel_share_is_the_profiled_rest_of_the_step(rendered: tuple[Store, Path]) -> None:
+    store, notes = rendered
+    rows = read_table(Path(store.base) / "reference" / "h200" / "e2e.arrow").to_pylist()
+    [e] = [e for e in rows if e["concurrency"] == 1]
+    share = 100 * e["outside_ms"] / (e["kernel_ms"] + e["outside_ms"])
+    row = f"| B={e['budget']} c=1 | {e['kernel_ms']:.2f} | {e['outside_ms']:.2f} | {share:.0f}% |"
+    assert row in (notes / "h200.md").read_text()
 
 
 def test_summary_lines(rendered: tuple[Store, Path], inv: Inventory) -> None:
