@@ -155,7 +155,7 @@ class KernelBench:
     def tree_build(self, batch: int, budget: int) -> Row:
         lp, tok, root = self.draft(batch)
         c = self.p.cfg
-        t = time_op(lambda: ops.build_tree(lp, tok, root, budget), self.dev, self.p.repeats, graph=False)
+        t = time_op(lambda: ops.build_tree(lp, tok, root, budget), self.dev, self.p.repeats)
         n = budget + 1
         nbytes = batch * c.draft_len * c.draft_topk * 12 + batch * n * 28 + batch * n * n
         return {"kernel": "build_tree", "impl": resolved_impl("auto", "tree_build", self.dev),
@@ -176,7 +176,7 @@ class KernelBench:
     def tree_accept(self, batch: int, budget: int) -> Row:
         tree, want = self.accept_inputs(batch, budget)
         n = budget + 1
-        t = time_op(lambda: ops.tree_accept(tree, want), self.dev, self.p.repeats, graph=False)
+        t = time_op(lambda: ops.tree_accept(tree, want), self.dev, self.p.repeats)
         nbytes = batch * n * 8 * 3 + batch * (self.p.cfg.draft_len + 3) * 8
         return {"kernel": "tree_accept", "impl": resolved_impl("auto", "tree_accept", self.dev),
                 "dtype": "int64", "device": self.dev.type, "budget": budget, "batch": batch,

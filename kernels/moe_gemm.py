@@ -9,18 +9,19 @@ over all of K, in two Triton launches plus a k-way sum:
   down:    y[slot] = topk_weight[slot] * (h[slot] . W2_e)             (routing weight in the epilogue)
   out[m]   = sum_j y[m*k + j]
 
-Decode (at most SPLIT_MAX_SLOTS token-expert slots) takes the split-K path (path="split", the
-default there): every program
-finds its (expert, <= BM slots) block itself from topk_ids in registers (no alignment launches), then
-streams one [BN rows, KS of K] chunk of that expert's weights (about a thousand programs at M = 1,
-each reading 64-112 KB), fp32 partial sums per K split, combined by two tiny kernels (SiLU x up after
-gate_up; routing-weighted sum over splits and top-k after down). Four Triton launches and one
-activation permute copy, no host sync.
+Decode (at most SPLIT_MAX_SLOTS token-expert slots, M <= 4 at top-8) takes the split-K path
+(path="split", the default there): every program finds its (expert, <= BM slots) block itself from
+topk_ids in registers (no alignment launches), then streams one [BN rows, KS of K] chunk of that
+expert's weights (about a thousand programs at M = 1, each reading 64-112 KB), fp32 partial sums per
+K split, combined by two tiny kernels (SiLU x up after gate_up; routing-weighted sum over splits and
+top-k after down). Four Triton launches and one activation permute copy, no host sync. At decode
+sizes the inner loop is an FMA GEMV, dequantizing two nibbles at a time into bf16x2 and multiplying
+with packed bf16x2 FMAs (PTX).
 
 Above that (path="grouped", the default there) the same split-K kernel takes its blocks from the
 tiled path's GPU alignment instead (any slot count; BM slots of one expert, so each weight tile is
 dequantized once per block), with fp32 partials and the same two combine kernels: on the H200 about
-2x the tiled path at M = 32..1024 (NOTES.md, run 5).
+2x the tiled path at M = 32..1024 (NOTES.md, run 5), and ahead of the split path from M = 8 (run 8).
 """
 
 from __future__ import annotations
@@ -314,11 +315,11 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
 #   and one tl.dot against contiguous activations; + 4 (DOT 5 / 6): words and scales loaded one step
 #   ahead into registers (double-buffered).
 SplitConfig = tuple[int, int, int, int, int, int, int]
-SPLIT_MAX_SLOTS = 64  # M * top-k up to this goes split-K (M <= 8 at K2's top-8)
-# H200 sweeps (NOTES.md, runs 4, 6, 7): FMA with the next step's loads in flight, packed bf16x2 FMAs.
+SPLIT_MAX_SLOTS = 32  # M * top-k up to this goes split-K (M <= 4 at K2's top-8)
+# H200 sweeps (NOTES.md, runs 4, 6-8): packed bf16x2 FMAs (+ the next step's loads in flight at M = 1).
 SPLIT_CONFIGS: dict[int, dict[str, SplitConfig]] = {
-    1: {"gate_up": (1, 64, 256, 3584, 4, 3, 12), "down": (1, 64, 256, 3584, 4, 3, 12)},
-    8: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)},
+    1: {"gate_up": (1, 64, 256, 7168, 4, 3, 12), "down": (1, 64, 256, 7168, 4, 3, 12)},
+    4: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)},
 }
 
 
@@ -329,11 +330,11 @@ def split_config(m: int) -> dict[str, SplitConfig]:
 
 # Grouped split-K (above SPLIT_MAX_SLOTS): the same kernel with its blocks from align() (BM slots of
 # one expert, so each weight tile is dequantized once per block), by the largest M of the bucket;
-# M above the last bucket takes the last. H200 sweeps (NOTES.md, runs 5 and 7): the fastest verified
-# config at M = 16, 32 (the packed FMA at 32 is carried over from 16, where it beat run 5's FMA pick
-# by 13 %), 64, 128, 256, 512, 1024 (KS 7168 = all of K: no K split won at these sizes).
+# M above the last bucket takes the last. H200 sweeps (NOTES.md, runs 5 and 8): the fastest verified
+# config at M = 8, 16, 32 (the packed FMA at 32 is carried over from 16, where it beat run 5's FMA
+# pick by 20 %), 64, 128, 256, 512, 1024 (KS 7168 = all of K: no K split won at these sizes).
 GROUPED_CONFIGS: dict[int, dict[str, SplitConfig]] = {
-    32: {"gate_up": (1, 64, 256, 3584, 8, 3, 12), "down": (1, 64, 256, 3584, 8, 3, 12)},
+    32: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)},
     512: {"gate_up": (16, 128, 128, 7168, 4, 3, 1), "down": (16, 128, 128, 7168, 4, 3, 1)},
     1024: {"gate_up": (32, 128, 128, 7168, 4, 3, 2), "down": (32, 128, 128, 7168, 4, 3, 2)},
 }

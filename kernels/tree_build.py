@@ -40,8 +40,8 @@ def _take_max(k1, a1, k2, a2):
 
 
 @triton.jit
-def _tree_fifo(lp_ptr, tok_ptr, root_ptr, otok_ptr, opar_ptr, odep_ptr, osc_ptr, qk_ptr, qs_ptr, L, K, n1,
-               QP: tl.constexpr, QCAP: tl.constexpr, CBITS: tl.constexpr, PBITS: tl.constexpr,
+def _tree_fifo(lp_ptr, tok_ptr, root_ptr, otok_ptr, opar_ptr, odep_ptr, osc_ptr, qk_ptr, qs_ptr, n1,
+               L: tl.constexpr, K: tl.constexpr, QP: tl.constexpr, QCAP: tl.constexpr, CBITS: tl.constexpr, PBITS: tl.constexpr,
                GBITS: tl.constexpr):
     """The heap as L*K FIFO queues, one per (depth d, rank r): queue g = (d-1)*K + r holds the pending
     items (parent p, rank r) for the parents p of depth d-1 in pop order, so its keys increase from
@@ -176,7 +176,7 @@ def build_tree(topk_logprobs: Tensor, topk_tokens: Tensor, root_tokens: Tensor, 
     qs = torch.empty(bt, qp, qcap, dtype=torch.float32, device=dev)
     _tree_fifo[(bt,)](topk_logprobs.float().contiguous(), topk_tokens.to(torch.int64).contiguous(),
                       root_tokens.to(torch.int64).contiguous(), tokens, parents, depths, scores, qk, qs,
-                      length, k, n1, QP=qp, QCAP=qcap, CBITS=cbits, PBITS=pbits, GBITS=gbits, num_warps=num_warps)
+                      n1, L=length, K=k, QP=qp, QCAP=qcap, CBITS=cbits, PBITS=pbits, GBITS=gbits, num_warps=num_warps)
     mask = torch.empty(bt, n1, n1, dtype=torch.bool, device=dev)
     br = 16
     _tree_mask[(bt, triton.cdiv(n1, br))](parents, mask.view(torch.int8), n1, length, BR=br,
