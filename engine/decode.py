@@ -51,19 +51,21 @@ class StageTimer:
     between the stages and read after the step's one synchronisation (the accepted tokens' copy to
     the host); perf_counter laps on the CPU. The step's wall time is taken on the host."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, stages: int):
         self.cuda = device.type == "cuda"
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(stages + 1)] if self.cuda else []
 
     def _mark(self) -> "torch.cuda.Event | float":
         if not self.cuda:
             return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = self.events[len(self.marks)]  # made once: a step reuses them after its sync
         ev.record()
         return ev
 
     def start(self) -> None:
         self.t0 = time.perf_counter()
-        self.marks = [self._mark()]
+        self.marks = []
+        self.marks.append(self._mark())
 
     def stage(self) -> None:
         self.marks.append(self._mark())
@@ -205,12 +207,15 @@ class Decoder:
             cache.compact(path, st.acc, st.active)
             last = path.gather(1, st.acc.unsqueeze(1))
             st.feat.copy_(st.hidden.gather(1, last.unsqueeze(-1).expand(-1, -1, cfg.hidden)).squeeze(1))
-            st.emitted = st.tree.tokens.gather(1, path.clamp(min=0))
+            emitted = st.tree.tokens.gather(1, path.clamp(min=0))
             st.bonus.copy_(bonus)
+            # what the host needs, in one tensor: one copy (and sync) a step
+            st.report = torch.cat([st.acc.unsqueeze(1), bonus.unsqueeze(1), emitted], 1)
 
         stages = dict(zip(STAGES, (draft, tree_build, verify, accept)))
         replay: StepGraphs | None = None
-        timer = StageTimer(dev)
+        timer = StageTimer(dev, len(STAGES))
+        active_l = [1] * bt
         while min(map(len, out)) < max_new:
             if level > 0:
                 hints = self._continuation(cache, st.bonus, cfg.draft_len)
@@ -227,13 +232,17 @@ class Decoder:
             for name, fn in stages.items():
                 replay.run(name) if replay else fn()
                 timer.stage()
-            acc_l, emitted_l, bonus_l = st.acc.tolist(), st.emitted.tolist(), st.bonus.tolist()
+            report = st.report.tolist()  # per sequence: accept_len, bonus, the tree tokens on the path
             live = [b for b in range(bt) if len(out[b]) < max_new]
             for b in live:
-                out[b] += emitted_l[b][1: acc_l[b] + 1] + [bonus_l[b]]
-            st.active.copy_(torch.tensor([int(len(o) < max_new) for o in out], dtype=torch.int64))
-            res.accept_len.append([acc_l[b] for b in live])
-            res.emitted.append([acc_l[b] + 1 for b in live])
+                acc_b = report[b][0]
+                out[b] += report[b][3: acc_b + 3] + [report[b][1]]
+            now = [int(len(o) < max_new) for o in out]
+            if now != active_l:  # a sequence finished: it stops moving its cache
+                active_l = now
+                st.active.copy_(torch.tensor(now, dtype=torch.int64))
+            res.accept_len.append([report[b][0] for b in live])
+            res.emitted.append([report[b][0] + 1 for b in live])
             if marks:
                 gpu_busy.mark()
             stage_s, step_s = timer.finish()
