@@ -424,9 +424,9 @@ def e2e_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
     busy = [e for e in rows if e.get("kernel_ms") is not None and e.get("outside_ms") is not None]
     if busy:
         out += ["## Time outside kernels", "",
-                "From a second, profiled decode of each point: GPU busy time per step (kernels and copies) "
-                "and the rest of that step (Python, launches, synchronisation, including the stage timer's own "
-                "syncs).", ""]
+                "GPU busy time per step (kernels and copies, from a second, profiled decode of each point) and "
+                "the rest of the measured step: Python, launches, gaps between kernels, the step's one "
+                "synchronisation.", ""]
         out += _table(["point", "kernels ms", "outside ms", "outside share"],
                       [[f"B={e['budget']} c={e['concurrency']}", fmt(e["kernel_ms"], 2), fmt(e["outside_ms"], 2),
                         f"{100 * e['outside_ms'] / (e['kernel_ms'] + e['outside_ms']):.0f}%"] for e in busy])
