@@ -34,29 +34,29 @@ def _key(score, counter, parent, g, CBITS: tl.constexpr, PBITS: tl.constexpr, GB
 
 @triton.jit
 def _take_max(k1, a1, k2, a2):
-    """Combine for tl.reduce: the larger key and its aux word (keys of live heads are unique)."""
+    """Combine for tl.reduce: the larger key and what rides with it (keys of live heads are unique)."""
     take = k1 > k2
     return tl.where(take, k1, k2), tl.where(take, a1, a2)
 
 
 @triton.jit
 def _tree_fifo(lp_ptr, tok_ptr, root_ptr, otok_ptr, opar_ptr, odep_ptr, osc_ptr, qk_ptr, qs_ptr, n1,
-               L: tl.constexpr, K: tl.constexpr, QP: tl.constexpr, QCAP: tl.constexpr, CBITS: tl.constexpr, PBITS: tl.constexpr,
-               GBITS: tl.constexpr):
+               L: tl.constexpr, K: tl.constexpr, QP: tl.constexpr, QCAP: tl.constexpr,
+               CBITS: tl.constexpr, PBITS: tl.constexpr, GBITS: tl.constexpr):
     """The heap as L*K FIFO queues, one per (depth d, rank r): queue g = (d-1)*K + r holds the pending
     items (parent p, rank r) for the parents p of depth d-1 in pop order, so its keys increase from
-    head to tail and the heap's next pop is the largest head key. Lane g of the program owns queue g:
-    its head and second item in registers, later items in qk/qs[g, position of the parent among the
-    popped nodes of depth d-1], written and read back by lane g's own thread only. One tuple
-    max-reduction over the heads a pop; everything else is lane-wise, nothing waits on memory."""
+    head to tail and the heap's next pop is the largest head key. The k-th item ever to enter queue g
+    has the k-th parent of depth d-1 (items leave queue g in that order into queue g + 1, and queue
+    d*K takes each depth-d node as it pops), so an item's position is its queue's count of entries.
+    Lane g of the program owns queue g: its head and second item in registers, later items in
+    qk/qs[g, position], written and read back by lane g's own thread only; the third item is fetched
+    one pop ahead. One tuple max-reduction over the heads a pop; the rest is lane-wise."""
     b = tl.program_id(0)
     ob = b.to(tl.int64) * n1
     lane = tl.arange(0, QP)
     live = lane < L * K
     lq = tl.load(lp_ptr + b * L * K + lane, mask=live, other=0.0)  # log-prob of queue g's rank at its depth
     lt = tl.load(tok_ptr + b * L * K + lane, mask=live, other=0)
-    lane_depth = lane // K + 1
-    lane_rank = lane % K
     qk_l = qk_ptr + b.to(tl.int64) * QP * QCAP + lane * QCAP
     qs_l = qs_ptr + b.to(tl.int64) * QP * QCAP + lane * QCAP
     zero = tl.sum(lane * 0, 0)
@@ -66,12 +66,11 @@ def _tree_fifo(lp_ptr, tok_ptr, root_ptr, otok_ptr, opar_ptr, odep_ptr, osc_ptr,
     tl.store(osc_ptr + ob, 0.0)
     first = lane == 0
     hkey = tl.where(first, _key(lq, zero, zero, lane, CBITS, PBITS, GBITS), -1)
-    hpsc = tl.zeros((QP,), tl.float32)
+    hpsc = tl.zeros((QP,), tl.float32)  # the head item's parent score
     nkey = tl.full((QP,), -1, tl.int64)
     npsc = tl.zeros((QP,), tl.float32)
     qlen = first.to(tl.int32)
-    hpos = tl.zeros((QP,), tl.int32)
-    plen = tl.zeros((QP,), tl.int32)  # popped nodes so far at depth lane_depth (queue g + K's parents)
+    hpos = tl.zeros((QP,), tl.int32)  # the head's position; hpos + qlen = entries so far
     pend = lane < 0  # lanes whose second slot takes the item loaded last step
     pkey = nkey
     ppsc = npsc
@@ -79,8 +78,7 @@ def _tree_fifo(lp_ptr, tok_ptr, root_ptr, otok_ptr, opar_ptr, odep_ptr, osc_ptr,
     gmask = (1 << GBITS) - 1
     pmask = (1 << PBITS) - 1
     for node in range(1, n1):
-        aux = (hpsc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (hpos.to(tl.int64) << 16) | plen.to(tl.int64)
-        best, baux = tl.reduce((hkey, aux), 0, _take_max)
+        best, pscore = tl.reduce((hkey, hpsc), 0, _take_max)
         nkey = tl.where(pend, pkey, nkey)  # last step's refill lands after this step's pop was chosen
         npsc = tl.where(pend, ppsc, npsc)
         g = (best & gmask).to(tl.int32)
@@ -88,16 +86,13 @@ def _tree_fifo(lp_ptr, tok_ptr, root_ptr, otok_ptr, opar_ptr, odep_ptr, osc_ptr,
         # the popped item's score, exactly, from its key (scores are <= 0 and never -0.0)
         neg = (0x7FFFFFFF - (best >> (CBITS + PBITS + GBITS))).to(tl.int32).to(tl.float32, bitcast=True)
         score = 0.0 - neg
-        pscore = (baux >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        hp = ((baux >> 16) & 0xFFFF).to(tl.int32)
-        pl = (baux & 0xFFFF).to(tl.int32)
         d = g // K + 1
         pop = lane == g
         tl.store(otok_ptr + ob + node + lane * 0, lt, mask=pop)
         tl.store(opar_ptr + ob + node, par.to(tl.int64))
         tl.store(odep_ptr + ob + node, d.to(tl.int64))
         tl.store(osc_ptr + ob + node, score)
-        # the sibling (queue g + 1, same parent, position hp) and the first child (queue d*K, position pl)
+        # the sibling (queue g + 1, same parent) and the first child (queue d*K, parent = this node)
         has_sib = g % K + 1 < K
         sib = (lane == g + 1) & has_sib
         k_sib = _key(pscore + lq, counter, par, lane, CBITS, PBITS, GBITS)
@@ -105,10 +100,6 @@ def _tree_fifo(lp_ptr, tok_ptr, root_ptr, otok_ptr, opar_ptr, odep_ptr, osc_ptr,
         ch = (lane == d * K) & (d < L)
         k_ch = _key(score + lq, counter, zero + node, lane, CBITS, PBITS, GBITS)
         counter += (d < L).to(tl.int32)
-        tl.store(qk_l + hp, k_sib, mask=sib)
-        tl.store(qs_l + hp, pscore + lq * 0, mask=sib)
-        tl.store(qk_l + pl, k_ch, mask=ch)
-        tl.store(qs_l + pl, score + lq * 0, mask=ch)
         # the popped queue: its second item moves up, its third (if any) is fetched for the next step
         pend = pop & (qlen >= 3)
         pkey = tl.load(qk_l + hpos + 2, mask=pend, other=-1)
@@ -118,17 +109,18 @@ def _tree_fifo(lp_ptr, tok_ptr, root_ptr, otok_ptr, opar_ptr, odep_ptr, osc_ptr,
         nkey = tl.where(pop, -1, nkey)
         hpos += pop.to(tl.int32)
         qlen -= pop.to(tl.int32)
-        # appends: into the head slot of an empty queue, the second slot of a one-item queue
+        # appends: to memory at the queue's next position; into the head slot of an empty queue,
+        # the second slot of a one-item queue
         new = sib | ch
         newkey = tl.where(sib, k_sib, k_ch)
         newpsc = tl.where(sib, pscore, score)
+        tl.store(qk_l + hpos + qlen, newkey, mask=new)
+        tl.store(qs_l + hpos + qlen, newpsc, mask=new)
         hkey = tl.where(new & (qlen == 0), newkey, hkey)
         hpsc = tl.where(new & (qlen == 0), newpsc, hpsc)
-        hpos = tl.where(new & (qlen == 0), tl.where(sib, hp, pl), hpos)
         nkey = tl.where(new & (qlen == 1), newkey, nkey)
         npsc = tl.where(new & (qlen == 1), newpsc, npsc)
         qlen += new.to(tl.int32)
-        plen += (lane_depth == d).to(tl.int32)
 
 
 @triton.jit
