@@ -6,7 +6,7 @@ Every stage of every step is timed (CUDA events between the stages, one sync a s
 engine.decode.StageTimer); `other` is the step's wall time minus the stages.
 On CUDA the stages run as CUDA graphs after the first step (engine.decode.StepGraphs), and each
 point is decoded once more under the kernel profiler: `kernel_ms` is the GPU's busy time per step,
-`outside_ms` the rest of the measured step (Python, launches, synchronisation, the stage timer's syncs).
+`outside_ms` the rest of the measured step (Python, launches, gaps between kernels, the step's one sync).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from engine.config import ModelConfig, make_config
 from engine import gpu_busy
+from engine.config import ModelConfig, make_config
 from engine.decode import STAGES, DecodeResult, Decoder
 from engine.drafter import BlockDrafter
 from engine.model import PLANT_GAIN, TargetModel

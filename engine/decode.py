@@ -230,7 +230,10 @@ class Decoder:
             if marks:
                 gpu_busy.mark()
             for name, fn in stages.items():
-                replay.run(name) if replay else fn()
+                if replay:
+                    replay.run(name)
+                else:
+                    fn()
                 timer.stage()
             report = st.report.tolist()  # per sequence: accept_len, bonus, the tree tokens on the path
             live = [b for b in range(bt) if len(out[b]) < max_new]
