@@ -10,8 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from flows import sandbox as sandbox_mod
+from flows import ssh
 from flows.cli import app
-from flows.inventory import update_host
+from flows.inventory import key_line, parse_public_key, update_host
 from flows.ssh import Remote, RemoteError, Timeouts, probe
 
 pytestmark = pytest.mark.integration
@@ -153,3 +154,36 @@ def test_timeout_when_facts_command_hangs(sandbox, tmp_path: Path) -> None:
     r = probe(sandbox.host(), sandbox.hosts_dir, Timeouts(connect=2, banner=2, auth=2, command=1))
     assert r.outcome == "timeout" and "fact-finding" in r.detail, r.detail
     assert r.elapsed_s < 1 + 1.5
+
+
+def test_probe_connects_once_and_closes_its_client(sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    made = []
+    real = ssh._connect
+
+    def counting(*a: object, **k: object):
+        made.append(real(*a, **k))
+        return made[-1]
+
+    monkeypatch.setattr(ssh, "_connect", counting)
+    assert probe(sandbox.host(), sandbox.hosts_dir, FAST).outcome == "ok"
+    assert len(made) == 1 and made[0].get_transport() is None
+
+
+def test_connection_lost_during_the_probe_is_routed(sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    def lost(self: Remote, *a: object, **k: object) -> None:
+        raise EOFError()
+
+    monkeypatch.setattr(Remote, "run", lost)
+    r = probe(sandbox.host(), sandbox.hosts_dir, FAST)
+    assert r.outcome == "timeout" and "EOFError" in r.detail
+
+
+def test_any_pinned_key_of_the_presented_type_counts(sandbox, tmp_path: Path) -> None:
+    real = sandbox.host().host_keys[0]
+    other = key_line(parse_public_key(sandbox_mod._write_key(tmp_path / "other")))
+    assert other.split()[0] == real.split()[0]  # two keys of one type
+    for keys in ([real, other], [other, real]):
+        update_host(sandbox.hosts_dir, "sbx1", host_keys=keys)
+        assert probe(sandbox.host(), sandbox.hosts_dir, FAST).outcome == "ok", keys
+    update_host(sandbox.hosts_dir, "sbx1", host_keys=[other])
+    assert probe(sandbox.host(), sandbox.hosts_dir, FAST).outcome == "host_key_changed"
