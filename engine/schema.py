@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -21,6 +22,10 @@ SCHEMA_VERSION = "2"
 TABLES = ("runs", "kernels", "e2e", "comm")
 SOURCES = ("measured", "projected")
 MANIFEST = "manifest.json"
+# A result file is read whole into memory (never memory-mapped: a file truncated under a map
+# raises SIGBUS), so it must fit; a sweep's largest table is a few MB.
+MAX_FILE_BYTES = 256 << 20
+MAX_PROVENANCE_BYTES = 64 << 10
 
 _f = pa.field
 _s, _i, _d = pa.string(), pa.int64(), pa.float64()
@@ -131,27 +136,143 @@ def write_manifest(out_dir: Path) -> None:
 
 
 def read_table(path: Path) -> pa.Table:
-    """Open and check one result file; raises SchemaError naming the file and what is wrong."""
+    """Open and fully check one result file; raises SchemaError naming the file and what is wrong.
+
+    The bytes are read into memory and every record batch is checked to be uncompressed before
+    pyarrow decodes anything (a compressed body says its own unpacked size, so a small file could
+    claim gigabytes); then `validate` checks every offset and the contract."""
     path = Path(path)
     try:
-        with pa.memory_map(str(path)) as src:
-            table = ipc.open_file(src).read_all()
-    except (pa.ArrowInvalid, OSError) as e:
-        raise SchemaError(f"{path.name}: not a readable Arrow IPC file ({e})") from None
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise SchemaError(f"{path.name}: {size} bytes, over the {MAX_FILE_BYTES}-byte limit")
+        data = path.read_bytes()
+        _refuse_compressed(data, path.name)
+        table = ipc.open_file(pa.BufferReader(data)).read_all()
+    except SchemaError:
+        raise
+    except (pa.ArrowException, OSError, ValueError, struct.error) as e:
+        why = f"{type(e).__name__}: {str(e)[:200]}"
+        raise SchemaError(f"{path.name}: not a readable Arrow IPC file ({why})") from None
     return validate(table, path.name)
 
 
+class _FlatTable:
+    """Just enough of a flatbuffers table reader to find one field; every read is bounds-checked
+    (struct.error when out of range, which read_table reports as an unreadable file)."""
+
+    def __init__(self, buf: bytes, pos: int):
+        self.buf, self.pos = buf, pos
+        self.vt = pos - self._at("<i", pos)
+        self.vt_len = self._at("<H", self.vt)
+
+    def _at(self, fmt: str, off: int) -> int:
+        if off < 0 or off + struct.calcsize(fmt) > len(self.buf):
+            raise struct.error("flatbuffer offset out of range")
+        return struct.unpack_from(fmt, self.buf, off)[0]
+
+    def _field(self, i: int) -> int:
+        o = 4 + 2 * i
+        return self._at("<H", self.vt + o) if o + 2 <= self.vt_len else 0
+
+    def scalar(self, i: int, fmt: str) -> int:
+        off = self._field(i)
+        return self._at(fmt, self.pos + off) if off else 0
+
+    def table(self, i: int) -> "_FlatTable | None":
+        off = self._field(i)
+        if not off:
+            return None
+        p = self.pos + off
+        return _FlatTable(self.buf, p + self._at("<I", p))
+
+    def vector(self, i: int) -> tuple[int, int]:
+        """(position of the first element, element count); (0, 0) when absent."""
+        off = self._field(i)
+        if not off:
+            return 0, 0
+        p = self.pos + off
+        v = p + self._at("<I", p)
+        return v + 4, self._at("<I", v)
+
+
+_MAGIC = b"ARROW1"
+_RECORD_BATCH, _DICTIONARY_BATCH = 3, 2  # MessageHeader union tags (Message.fbs)
+
+
+def _refuse_compressed(data: bytes, label: str) -> None:
+    """Walk the file footer's dictionary and record-batch blocks (what the reader will decode) and
+    refuse any whose RecordBatch carries a BodyCompression (Message.fbs field 3)."""
+    if len(data) < 18 or data[:6] != _MAGIC or data[-6:] != _MAGIC:
+        raise SchemaError(f"{label}: not an Arrow IPC file (no ARROW1 magic at both ends)")
+    footer_len = struct.unpack_from("<i", data, len(data) - 10)[0]
+    start = len(data) - 10 - footer_len
+    if footer_len <= 0 or start < 8:
+        raise SchemaError(f"{label}: bad Arrow footer length {footer_len}")
+    footer_buf = data[start:len(data) - 10]
+    footer = _FlatTable(footer_buf, struct.unpack_from("<I", footer_buf, 0)[0])
+    for field in (2, 3):  # Footer.dictionaries, Footer.recordBatches: vectors of Block structs
+        first, count = footer.vector(field)
+        for k in range(count):
+            at = first + 24 * k  # Block: offset int64, metaDataLength int32 (+4 pad), bodyLength int64
+            if at + 24 > len(footer_buf):
+                raise SchemaError(f"{label}: Arrow footer block out of range")
+            offset, meta_len = struct.unpack_from("<qi", footer_buf, at)
+            if offset < 8 or meta_len < 8 or offset + meta_len > start:
+                raise SchemaError(f"{label}: Arrow block outside the file")
+            meta = data[offset:offset + meta_len]
+            skip = 8 if meta[:4] == b"\xff\xff\xff\xff" else 4  # continuation marker, then int32 length
+            body = meta[skip:]
+            message = _FlatTable(body, struct.unpack_from("<I", body, 0)[0])
+            kind, header = message.scalar(1, "<B"), message.table(2)
+            if kind == _DICTIONARY_BATCH and header is not None:
+                header = header.table(1)  # DictionaryBatch.data
+            elif kind != _RECORD_BATCH:
+                raise SchemaError(f"{label}: Arrow block holds message type {kind}, not a batch")
+            if header is not None and header.table(3) is not None:
+                raise SchemaError(f"{label}: compressed Arrow record batches are refused "
+                                  "(kdbench writes them uncompressed)")
+
+
+def _text(meta: dict[bytes, bytes], key: bytes, label: str) -> str:
+    try:
+        return meta.get(key, b"").decode("utf-8")
+    except UnicodeDecodeError:
+        raise SchemaError(f"{label}: metadata {key.decode()!r} is not UTF-8") from None
+
+
 def validate(table: pa.Table, label: str) -> pa.Table:
+    """Check a table against the contract, every offset and buffer first (a bad string offset would
+    otherwise be read past its data by whoever touches the column next)."""
+    try:
+        table.validate(full=True)
+    except pa.ArrowException as e:
+        raise SchemaError(f"{label}: invalid Arrow data ({str(e)[:200]})") from None
+    names = table.schema.names
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise SchemaError(f"{label}: duplicate column(s) {dup}")
     meta = table.schema.metadata or {}
-    version = meta.get(b"kdbench.schema_version", b"").decode()
+    version = _text(meta, b"kdbench.schema_version", label)
     if version != SCHEMA_VERSION:
         raise SchemaError(f"{label}: schema version {version or 'missing'!r}, expected {SCHEMA_VERSION!r}")
-    name = meta.get(b"kdbench.table", b"").decode()
+    name = _text(meta, b"kdbench.table", label)
     if name not in SCHEMAS:
         raise SchemaError(f"{label}: unknown table {name!r}")
+    raw = meta.get(b"kdbench.provenance")
+    if raw is None:
+        raise SchemaError(f"{label}: no provenance in the metadata")
+    if len(raw) > MAX_PROVENANCE_BYTES:
+        raise SchemaError(f"{label}: provenance of {len(raw)} bytes, over {MAX_PROVENANCE_BYTES}")
+    try:
+        prov = json.loads(_text(meta, b"kdbench.provenance", label))
+    except (ValueError, RecursionError):
+        raise SchemaError(f"{label}: provenance is not JSON") from None
+    if not isinstance(prov, dict) or not isinstance(prov.get("run_id"), str):
+        raise SchemaError(f"{label}: provenance is not an object with a run_id")
     want = SCHEMAS[name]
     for f in want:
-        if f.name not in table.schema.names:
+        if f.name not in names:
             raise SchemaError(f"{label}: missing column {f.name!r}")
         got = table.schema.field(f.name).type
         if got != f.type:
@@ -160,8 +281,35 @@ def validate(table: pa.Table, label: str) -> pa.Table:
             raise SchemaError(f"{label}: column {f.name!r} has nulls")
     bad = set(table.column("source").to_pylist()) - set(SOURCES)
     if bad:
-        raise SchemaError(f"{label}: column 'source' has {sorted(bad)}, expected one of {SOURCES}")
+        raise SchemaError(f"{label}: column 'source' has {sorted(bad)[:5]}, expected one of {SOURCES}")
     return table
+
+
+def check_run_tables(host: str, run_id: str, tables: Mapping[str, pa.Table],
+                     sources: tuple[str, ...] = SOURCES) -> None:
+    """What a run's tables must agree on before they are stored: each holds the table its name says,
+    every row belongs to `run_id` with a source in `sources`, and runs.arrow (when given) has rows,
+    one source, and names `host`. Pull (per file, sources=measured) and ingest use this one check."""
+    for name, table in tables.items():
+        label = f"{name}.arrow"
+        validate(table, label)
+        if table.schema.metadata[b"kdbench.table"].decode() != name:
+            raise SchemaError(f"{label}: holds table {table.schema.metadata[b'kdbench.table'].decode()!r}, "
+                              "not what its name says")
+        ids = set(table.column("run_id").to_pylist())
+        if ids - {run_id}:
+            raise SchemaError(f"{label}: run_id {sorted(ids - {run_id})[:3]}, expected {run_id!r}")
+        bad = set(table.column("source").to_pylist()) - set(sources)
+        if bad:
+            raise SchemaError(f"{label}: rows with source {sorted(bad)}; only {', '.join(sources)} accepted here")
+        if name == "runs":
+            if not table.num_rows:
+                raise SchemaError(f"{label}: no rows")
+            if len(set(table.column("source").to_pylist())) != 1:
+                raise SchemaError(f"{label}: mixed sources {sorted(set(table.column('source').to_pylist()))}")
+            hosts = set(table.column("host").to_pylist())
+            if hosts - {host}:
+                raise SchemaError(f"{label}: names host {sorted(hosts - {host})[:3]}, expected {host!r}")
 
 
 def provenance(table: pa.Table) -> dict[str, Any]:

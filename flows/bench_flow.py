@@ -222,9 +222,9 @@ def bench_suite(remote: Remote, host: Host, dep: deploy_mod.Deployed, suite: str
 
 
 @task(name="pull", cache_policy=NONE)
-def pull_results(remote: Remote, out_dir: str, staging: Path) -> Pulled:
+def pull_results(remote: Remote, host: str, run_id: str, out_dir: str, staging: Path) -> Pulled:
     log = get_run_logger()
-    pulled = pull(remote, out_dir, staging)
+    pulled = pull(remote, out_dir, staging, host, run_id)
     log.info("pulled %d file(s): %s", len(pulled.accepted), ", ".join(pulled.accepted) or "none")
     for name, why in pulled.quarantined.items():
         log.error("quarantined %s: %s", name, why)
@@ -339,7 +339,7 @@ def _measure(s: Settings, store: Store, host: Host, suites: list[str], profile: 
                 log.warning("later suites skipped on %s after the timeout", host.name)
                 break
         with tempfile.TemporaryDirectory(prefix="kdbench-pull-") as tmp:
-            pulled = pull_results(remote, out_dir, Path(tmp))
+            pulled = pull_results(remote, host.name, run_id, out_dir, Path(tmp))
             unfinished = {r.suite: r.status for r in report.suites if r.status in ("timeout", "failed")}
             record_unfinished(pulled, run_id, host.name, profile, unfinished, dep.payload_hash)
             report.quarantined = pulled.quarantined

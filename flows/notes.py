@@ -95,15 +95,16 @@ class HostView:
 
 def measured_runs(store: Store, name: str) -> list[Run]:
     """Every measured run of a host (partial ones too): ingested runs and committed reference sets."""
-    runs: dict[str, tuple[str, Run]] = {}
-    for info in store.runs(name):
+    # stored runs in the store's order (the controller's clock), after the committed reference sets
+    runs: dict[str, tuple[tuple, Run]] = {}
+    for i, info in enumerate(store.runs(name)):
         if info.source == "measured":
-            runs[info.run_id] = (info.started_at or "", Run(info.run_id, store.load(name, info.run_id)))
+            runs[info.run_id] = ((1, i), Run(info.run_id, store.load(name, info.run_id)))
     for ref in store.references():
         tables = store.reference(ref)
         row = tables["runs"].to_pylist()[0]
         if row["host"] == name and row["source"] == "measured":
-            runs.setdefault(row["run_id"], (row["started_at"] or "", Run(row["run_id"], tables)))
+            runs.setdefault(row["run_id"], ((0, row["started_at"] or ""), Run(row["run_id"], tables)))
     return [r for _, r in sorted(runs.values(), key=lambda x: (x[0], x[1].run_id))]
 
 

@@ -1,9 +1,11 @@
 """Bring a run's result files back from a host and accept only the ones we can trust.
 
-A file is accepted when its sha256 matches the host's manifest AND it opens as Arrow with the
-kdbench schema of the table its name says. Anything else is quarantined under
-`<artifacts>/quarantine/host=<h>/run=<id>/` with a `.reason` file beside it, and named in the
-run's logs and notes; it is never ingested.
+A file is accepted when it is one of the known tables, under the size cap, its sha256 matches
+the host's manifest, it passes engine.schema.read_table (read whole into memory, uncompressed,
+every offset checked) and the same per-run check ingest applies (engine.schema.check_run_tables:
+its run, its host, and only `measured` rows: a host cannot send projections). Anything else is
+quarantined under `<artifacts>/quarantine/host=<h>/run=<id>/` with a `.reason` file beside it, and
+named in the run's logs and notes; it is never ingested. One bad file never stops the others.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from engine.schema import (MANIFEST, TABLES, SchemaError, provenance, read_table, sha256_file, to_table,
-                           write_manifest, write_table)
-from flows.ssh import Remote
+from engine.schema import (MANIFEST, MAX_FILE_BYTES, TABLES, SchemaError, check_run_tables, provenance,
+                           read_table, sha256_file, to_table, write_manifest, write_table)
+from flows.ssh import Remote, TransferError
 from flows.store import Store, check_name
 
 _NAME = re.compile(r"^[a-z0-9_]{1,64}\.arrow$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 SHORT_S = 120.0
+MAX_MANIFEST_BYTES = 64 << 10
+MAX_LISTED = 20  # odd names reported one by one; beyond that, one line says how many more
 
 
 class Pulled(BaseModel):
@@ -40,20 +45,24 @@ def _remote_listing(remote: Remote, remote_dir: str) -> list[str]:
 
 def _manifest(remote: Remote, remote_dir: str, staging: Path) -> tuple[dict[str, str], str | None]:
     """The host's manifest as {file: sha256}, or ({}, why it is unusable)."""
-    if remote.sha256(f"{remote_dir}/{MANIFEST}") is None:
+    path = f"{remote_dir}/{MANIFEST}"
+    if remote.size(path) is None:
         return {}, "no manifest.json on the host"
     local = staging / MANIFEST
-    remote.get(f"{remote_dir}/{MANIFEST}", local)
+    try:
+        remote.get(path, local, max_bytes=MAX_MANIFEST_BYTES, timeout_s=SHORT_S)
+    except TransferError as e:
+        return {}, f"manifest.json not fetched ({e})"
     try:
         files = json.loads(local.read_text())["files"]
-        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-            raise ValueError("files is not a name -> sha256 map")
-        return files, None
-    except (ValueError, KeyError, TypeError) as e:
-        return {}, f"manifest.json unreadable ({e})"
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        return {}, f"manifest.json unreadable ({type(e).__name__})"
+    if not isinstance(files, dict) or not all(isinstance(v, str) and _SHA256.match(v) for v in files.values()):
+        return {}, "manifest.json unreadable (files is not a name -> sha256 map)"
+    return files, None
 
 
-def _verdict(path: Path, expected: str | None, manifest_problem: str | None) -> str | None:
+def _verdict(path: Path, expected: str | None, manifest_problem: str | None, host: str, run_id: str) -> str | None:
     """None when the file is good, else the reason to quarantine it."""
     if expected is None:
         return manifest_problem or "not listed in manifest.json"
@@ -61,16 +70,13 @@ def _verdict(path: Path, expected: str | None, manifest_problem: str | None) -> 
     if got != expected:
         return f"sha256 {got[:12]} does not match the manifest's {expected[:12]}"
     try:
-        table = read_table(path)
+        check_run_tables(host, run_id, {path.stem: read_table(path)}, sources=("measured",))
     except SchemaError as e:
         return str(e)
-    name = table.schema.metadata[b"kdbench.table"].decode()
-    if path.stem not in TABLES or f"{name}.arrow" != path.name:
-        return f"holds table {name!r}, not what its name says"
     return None
 
 
-def pull(remote: Remote, remote_dir: str, staging: Path) -> Pulled:
+def pull(remote: Remote, remote_dir: str, staging: Path, host: str, run_id: str) -> Pulled:
     """Fetch every result file of `remote_dir` into `staging`, sorting them into accepted/ and quarantine/."""
     accepted_dir, bad_dir = staging / "accepted", staging / "quarantine"
     for d in (accepted_dir, bad_dir):
@@ -79,16 +85,19 @@ def pull(remote: Remote, remote_dir: str, staging: Path) -> Pulled:
     names = sorted(set(_remote_listing(remote, remote_dir)) | set(manifest))
     accepted: list[str] = []
     quarantined: dict[str, str] = {}
-    for name in names:
-        if not _NAME.match(name):
-            quarantined[ascii(name)[:80]] = "unexpected file name (not fetched)"
-            continue
-        if remote.sha256(f"{remote_dir}/{name}") is None:
-            quarantined[name] = "listed in manifest.json but missing on the host"
-            continue
+    odd = [n for n in names if not _NAME.match(n) or n[:-len(".arrow")] not in TABLES]
+    for name in odd[:MAX_LISTED]:
+        quarantined[ascii(name)[:80]] = "unexpected file name (not fetched)"
+    if len(odd) > MAX_LISTED:
+        quarantined[f"{len(odd) - MAX_LISTED} more"] = "unexpected file names (not fetched)"
+    for name in (n for n in names if n not in odd):
         local = staging / name
-        remote.get(f"{remote_dir}/{name}", local)
-        why = _verdict(local, manifest.get(name), problem)
+        try:
+            remote.get(f"{remote_dir}/{name}", local, max_bytes=MAX_FILE_BYTES)
+        except TransferError as e:
+            quarantined[name] = f"not fetched: {e}"
+            continue
+        why = _verdict(local, manifest.get(name), problem, host, run_id)
         if why is None:
             local.replace(accepted_dir / name)
             accepted.append(name)
@@ -103,13 +112,19 @@ def record_unfinished(pulled: Pulled, run_id: str, host: str, profile: str, unfi
                       payload_hash: str | None) -> None:
     """Mark every suite the controller saw time out or fail as `partial` in runs.arrow (adding a
     row for one stopped before it wrote anything), so the run index never calls such a run
-    complete, even when the suite had written "complete" just before it was killed."""
+    complete, even when the suite had written "complete" just before it was killed. When the
+    host's runs.arrow was quarantined, the suites whose tables were accepted get a `partial` row
+    of the controller's own, so those good files are still ingested."""
     path = pulled.accepted_dir / "runs.arrow"
+    notes = {suite: f"{why} before the suite wrote any result" for suite, why in unfinished.items()}
     if path.is_file():
         table = read_table(path)
         rows, prov = table.to_pylist(), provenance(table)
     else:
         rows, prov = [], {"run_id": run_id, "host": host, "payload_hash": payload_hash}
+        if "runs.arrow" in pulled.quarantined:
+            for name in pulled.accepted:
+                notes.setdefault(name.removesuffix(".arrow"), "the host's runs.arrow was quarantined")
     changed = False
     for row in rows:
         why = unfinished.get(row["suite"])
@@ -118,9 +133,8 @@ def record_unfinished(pulled: Pulled, run_id: str, host: str, profile: str, unfi
             row["note"] = "; ".join(filter(None, [row["note"], f"{why} seen by the controller"]))
     have = {r["suite"] for r in rows}
     extra = [{"run_id": run_id, "host": host, "suite": suite, "profile": profile, "status": "partial",
-              "payload_hash": payload_hash, "points": 0, "source": "measured",
-              "note": f"{why} before the suite wrote any result"}
-             for suite, why in unfinished.items() if suite not in have]
+              "payload_hash": payload_hash, "points": 0, "source": "measured", "note": note}
+             for suite, note in notes.items() if suite not in have]
     if extra or changed:
         write_table(pulled.accepted_dir, to_table("runs", rows + extra, prov))
         if "runs.arrow" not in pulled.accepted:

@@ -23,6 +23,7 @@ import hashlib
 import io
 import json
 import re
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
@@ -32,7 +33,7 @@ import pyarrow.ipc as ipc
 from filelock import FileLock
 from pydantic import BaseModel
 
-from engine.schema import SCHEMAS, TABLES, SchemaError, read_table, validate
+from engine.schema import SCHEMAS, TABLES, SchemaError, check_run_tables, read_table, validate
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 INDEX = "runs/_index.jsonl"
@@ -48,7 +49,8 @@ class RunInfo(BaseModel):
     run_id: str
     source: str                      # measured | projected
     status: str                      # complete | partial
-    started_at: str | None = None
+    started_at: str | None = None   # the host's clock: shown, never used to order runs
+    ingested_at: str | None = None  # the controller's clock when stored: what orders runs
     suites: list[str] = []
     reference_run_id: str | None = None
 
@@ -65,15 +67,10 @@ def check_name(kind: str, value: str) -> str:
 
 
 def run_info(host: str, run_id: str, tables: dict[str, pa.Table]) -> RunInfo:
-    """Summarise a run from its runs table: complete only when every suite finished or was skipped."""
-    if "runs" not in tables:
-        raise StoreError(f"run {run_id} of {host}: no runs.arrow")
+    """Summarise a run from its runs table (checked by check_run_tables): complete only when every
+    suite finished or was skipped."""
     rows = tables["runs"].to_pylist()
-    if not rows:
-        raise StoreError(f"run {run_id} of {host}: runs.arrow has no rows")
     sources = {r["source"] for r in rows}
-    if len(sources) != 1:
-        raise StoreError(f"run {run_id} of {host}: mixed sources {sorted(sources)}")
     done = all(r["status"] in ("complete", "skipped") for r in rows)
     started = sorted(r["started_at"] for r in rows if r["started_at"])
     refs = {r for t in tables.values() if "reference_run_id" in t.schema.names
@@ -155,17 +152,14 @@ class Store:
     def put_tables(self, host: str, run_id: str, tables: dict[str, pa.Table]) -> None:
         """Store one run's tables (measured or projected) and record it in the index."""
         check_name("host", host), check_name("run id", run_id)
-        for name, table in tables.items():
-            validate(table, f"{host}/{run_id}/{name}")
-            if table.schema.metadata[b"kdbench.table"].decode() != name:
-                raise StoreError(f"run {run_id} of {host}: table {name!r} holds another table")
-            ids = set(table.column("run_id").to_pylist())
-            if ids - {run_id}:
-                raise StoreError(f"run {run_id} of {host}: {name}.arrow has run_id {sorted(ids - {run_id})}")
-        hosts = set(tables["runs"].column("host").to_pylist()) if "runs" in tables else set()
-        if hosts - {host}:
-            raise StoreError(f"run {run_id} of {host}: runs.arrow names host {sorted(hosts - {host})}")
+        if "runs" not in tables:
+            raise StoreError(f"run {run_id} of {host}: no runs.arrow")
+        try:
+            check_run_tables(host, run_id, tables)
+        except SchemaError as e:
+            raise StoreError(f"run {run_id} of {host}: {e}") from None
         info = run_info(host, run_id, tables)
+        info.ingested_at = datetime.now(timezone.utc).isoformat(timespec="microseconds")
         leaf = self._p("runs", f"host={host}", f"run={run_id}")
         sums = {}
         for name in sorted(tables):
@@ -191,9 +185,11 @@ class Store:
         return [RunInfo.model_validate_json(line) for line in io.StringIO(text) if line.strip()]
 
     def runs(self, host: str | None = None) -> list[RunInfo]:
-        """Runs in the index, oldest first (started_at, then run id), optionally of one host."""
+        """Runs in the index in the order the controller stored them (runs indexed before that was
+        recorded first, by run id), optionally of one host. A host's own started_at never decides
+        which run is latest."""
         rows = [r for r in self._read_index() if host is None or r.host == host]
-        return sorted(rows, key=lambda r: (r.started_at or "", r.run_id))
+        return sorted(rows, key=lambda r: (r.ingested_at or "", r.run_id))
 
     def load(self, host: str, run_id: str) -> dict[str, pa.Table]:
         check_name("host", host), check_name("run id", run_id)

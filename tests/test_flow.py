@@ -262,6 +262,68 @@ def test_bench_timeout_kills_the_remote_process_group(world: dict, measured: sub
     assert [(r.source, r.status) for r in new] == [("measured", "partial")]
 
 
+# engine.bench swapped on the host: good runs and kernels files (the run dated 9999), an e2e.arrow
+# labelled projected, and a line of 8 MB without a newline.
+HOSTILE_BENCH = r"""
+import argparse, sys
+from pathlib import Path
+from engine.schema import to_table, write_table
+p = argparse.ArgumentParser()
+for k in ("suite", "profile", "host", "out", "run-id", "payload-hash"):
+    p.add_argument("--" + k)
+a = p.parse_args()
+out = Path(a.out)
+out.mkdir(parents=True, exist_ok=True)
+prov = {"run_id": a.run_id, "host": a.host, "started_at": "9999-12-31T23:59:59+00:00"}
+write_table(out, to_table("runs", [{"run_id": a.run_id, "host": a.host, "suite": "kernels", "profile": a.profile,
+                                    "status": "complete", "source": "measured", "started_at": prov["started_at"],
+                                    "payload_hash": a.payload_hash}], prov))
+write_table(out, to_table("kernels", [{"run_id": a.run_id, "kernel": "moe_w4a16", "impl": "torch", "dtype": "bf16",
+                                       "device": "cpu", "M": m, "time_us_p50": 10.0, "bytes": 1e6, "flops": 1e6,
+                                       "source": "measured"} for m in (1, 2, 4)], prov))
+write_table(out, to_table("e2e", [{"run_id": a.run_id, "config": "k2-mini", "device": "cpu", "concurrency": 1,
+                                   "budget": 16, "tokens_per_s": 1e9, "source": "projected"}], prov))
+sys.stdout.write("z" * (8 << 20))
+sys.stdout.write("\n")
+"""
+
+
+def test_hostile_payload_is_contained_and_earlier_runs_survive(world: dict, measured: subprocess.CompletedProcess,
+                                                               tmp_path: Path) -> None:
+    """A host whose engine.bench is swapped: the run completes, the good files land, the projected
+    e2e.arrow is quarantined with its reason, and every run stored before is still there."""
+    import shutil
+    import tarfile
+
+    from flows import deploy as deploy_mod
+
+    host = load_host(world["hosts"], "f3")
+    payload = deploy_mod.build_payload(tmp_path)
+    pdir = Path(host.work_dir) / "payloads" / payload.sha256
+    shutil.rmtree(pdir, ignore_errors=True)
+    with tarfile.open(payload.path) as tar:
+        tar.extractall(pdir, filter="data")
+    (pdir / "engine" / "bench.py").write_text(HOSTILE_BENCH)
+    (pdir / ".complete").touch()
+    store = Store(str(world["artifacts"]))
+    before = [(r.host, r.run_id) for r in store.runs()]
+    try:
+        res = deployment_run(world, "bench/f3")
+    finally:
+        shutil.rmtree(pdir)  # the next run of f3 gets the real payload again
+    _ok(res)
+    new = _new_runs(world, "f3", {r for h, r in before if h == "f3"})
+    assert [(r.source, r.status) for r in new] == [("measured", "complete")]
+    tables = store.load("f3", new[0].run_id)
+    assert tables["kernels"].num_rows == 3 and "e2e" not in tables
+    reason = world["artifacts"] / "quarantine" / "host=f3" / f"run={new[0].run_id}" / "e2e.arrow.reason"
+    assert "only measured" in reason.read_text()
+    assert "quarantined `e2e.arrow`" in _artifact(world, "bench-f3")
+    assert store.runs()[-1].run_id == new[0].run_id
+    for h, r in before:  # nothing stored before is lost
+        assert store.load(h, r)["runs"].num_rows
+
+
 def test_failed_build_fails_the_run_with_its_log(world: dict, measured: subprocess.CompletedProcess) -> None:
     """sm_90 asked of a CPU-only host: engine.build refuses, and that is a real failure."""
     update_host(world["hosts"], "f4", arch="sm_90")

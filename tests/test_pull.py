@@ -45,7 +45,7 @@ def test_corrupt_and_malformed_files_are_quarantined_and_never_ingested(sandbox_
     remote_dir.mkdir(parents=True)
     _results(remote_dir)
     with Remote(host, sbx.hosts_dir) as r:
-        pulled = pull(r, str(remote_dir), tmp_path / "staging")
+        pulled = pull(r, str(remote_dir), tmp_path / "staging", "pull1", RUN)
     assert pulled.accepted == ["kernels.arrow", "runs.arrow"]
     assert set(pulled.quarantined) == {"comm.arrow", "e2e.arrow"}
     assert "sha256" in pulled.quarantined["e2e.arrow"]
