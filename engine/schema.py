@@ -25,7 +25,7 @@ MANIFEST = "manifest.json"
 # A result file is read whole into memory (never memory-mapped: a file truncated under a map
 # raises SIGBUS), so it must fit; a sweep's largest table is a few MB.
 MAX_FILE_BYTES = 256 << 20
-MAX_PROVENANCE_BYTES = 64 << 10
+MAX_PROVENANCE_BYTES = 256 << 10
 
 _f = pa.field
 _s, _i, _d = pa.string(), pa.int64(), pa.float64()

@@ -116,7 +116,7 @@ def record_unfinished(pulled: Pulled, run_id: str, host: str, profile: str, unfi
     host's runs.arrow was quarantined, the suites whose tables were accepted get a `partial` row
     of the controller's own, so those good files are still ingested."""
     path = pulled.accepted_dir / "runs.arrow"
-    notes = {suite: f"{why} before the suite wrote any result" for suite, why in unfinished.items()}
+    extra = {suite: (0, f"{why} before the suite wrote any result") for suite, why in unfinished.items()}
     if path.is_file():
         table = read_table(path)
         rows, prov = table.to_pylist(), provenance(table)
@@ -124,7 +124,8 @@ def record_unfinished(pulled: Pulled, run_id: str, host: str, profile: str, unfi
         rows, prov = [], {"run_id": run_id, "host": host, "payload_hash": payload_hash}
         if "runs.arrow" in pulled.quarantined:
             for name in pulled.accepted:
-                notes.setdefault(name.removesuffix(".arrow"), "the host's runs.arrow was quarantined")
+                points = read_table(pulled.accepted_dir / name).num_rows
+                extra.setdefault(name.removesuffix(".arrow"), (points, "the host's runs.arrow was quarantined"))
     changed = False
     for row in rows:
         why = unfinished.get(row["suite"])
@@ -132,11 +133,11 @@ def record_unfinished(pulled: Pulled, run_id: str, host: str, profile: str, unfi
             row["status"], changed = "partial", True
             row["note"] = "; ".join(filter(None, [row["note"], f"{why} seen by the controller"]))
     have = {r["suite"] for r in rows}
-    extra = [{"run_id": run_id, "host": host, "suite": suite, "profile": profile, "status": "partial",
-              "payload_hash": payload_hash, "points": 0, "source": "measured", "note": note}
-             for suite, note in notes.items() if suite not in have]
-    if extra or changed:
-        write_table(pulled.accepted_dir, to_table("runs", rows + extra, prov))
+    added = [{"run_id": run_id, "host": host, "suite": suite, "profile": profile, "status": "partial",
+              "payload_hash": payload_hash, "points": points, "source": "measured", "note": note}
+             for suite, (points, note) in extra.items() if suite not in have]
+    if added or changed:
+        write_table(pulled.accepted_dir, to_table("runs", rows + added, prov))
         if "runs.arrow" not in pulled.accepted:
             pulled.accepted.append("runs.arrow")
 

@@ -347,7 +347,7 @@ def _fabric_connection(host: Host, client: paramiko.SSHClient) -> fabric.Connect
     config = fabric.Config(ssh_config=paramiko.SSHConfig(), lazy=True,
                            overrides={"load_ssh_configs": False, "runners": {"remote": _BoundedRunner}})
     conn = fabric.Connection(host.address, user=host.user, port=host.port, config=config,
-                             gateway=False, forward_agent=False, inline_ssh_env=True)
+                             gateway=False, forward_agent=False)
     conn.client, conn.transport = client, client.get_transport()
     return conn
 
