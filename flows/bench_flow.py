@@ -45,10 +45,11 @@ from flows import projection
 from flows.inventory import Host, Inventory, host_path, load_host, load_inventory, now, retire, update_host
 from flows.pull import Pulled, pull, quarantine, record_unfinished
 from flows.settings import Settings
-from flows.ssh import ProbeResult, Remote, RemoteError, probe
+from flows.ssh import ProbeResult, Remote, RemoteError, TransferError, probe
 from flows.store import Store
 
 NOTES_LIMIT = "kdbench-notes"
+BUILD_JSON_BYTES = 1 << 20
 _EVENT = "KDBENCH "
 
 
@@ -179,9 +180,14 @@ def build(remote: Remote, host: Host, dep: deploy_mod.Deployed, run_dir: str, ti
         raise BuildFailed(f"engine.build failed on {host.name} (exit {res.rc}); the build log is the "
                           f"'{_key('build-log', host.name)}' artifact")
     with tempfile.TemporaryDirectory() as tmp:
-        remote.get(f"{out}/build.json", Path(tmp) / "build.json")
-        info = json.loads((Path(tmp) / "build.json").read_text())
-    kernels = info.get("kernels", {}) if isinstance(info, dict) else {}
+        try:  # the host's word, bounded and never trusted: a bad build.json only costs this log line
+            remote.get(f"{out}/build.json", Path(tmp) / "build.json", max_bytes=BUILD_JSON_BYTES)
+            info = json.loads((Path(tmp) / "build.json").read_text())
+        except (TransferError, ValueError, RecursionError) as e:
+            log.warning("build.json from %s unusable: %s", host.name, type(e).__name__)
+            info = {}
+    kernels = info.get("kernels") if isinstance(info, dict) else None
+    kernels = kernels if isinstance(kernels, dict) else {}
     log.info("build on %s: %d kernels, %s", host.name, len(kernels),
              ", ".join(f"{k} {v.get('status')}" for k, v in sorted(kernels.items()) if isinstance(v, dict)))
     return info
@@ -198,7 +204,7 @@ def bench_suite(remote: Remote, host: Host, dep: deploy_mod.Deployed, suite: str
         if line.startswith(_EVENT):
             try:
                 ev = json.loads(line[len(_EVENT):])
-            except ValueError:
+            except (ValueError, RecursionError):
                 ev = {}
             if isinstance(ev, dict) and ev.get("event") == "point":
                 seen["points"] += 1

@@ -572,7 +572,7 @@ def _parse_facts(stdout: str) -> dict[str, Any]:
         if line.startswith("KDBENCH_FACTS "):
             try:
                 raw = json.loads(line.removeprefix("KDBENCH_FACTS "))
-            except ValueError:
+            except (ValueError, RecursionError):
                 raw = {}
     if not isinstance(raw, dict):
         raw = {}

@@ -263,7 +263,7 @@ def test_bench_timeout_kills_the_remote_process_group(world: dict, measured: sub
 
 
 # engine.bench swapped on the host: good runs and kernels files (the run dated 9999), an e2e.arrow
-# labelled projected, and a line of 8 MB without a newline.
+# labelled projected, a line of 8 MB without a newline, and an event line too deep for json.
 HOSTILE_BENCH = r"""
 import argparse, sys
 from pathlib import Path
@@ -285,13 +285,26 @@ write_table(out, to_table("e2e", [{"run_id": a.run_id, "config": "k2-mini", "dev
                                    "budget": 16, "tokens_per_s": 1e9, "source": "projected"}], prov))
 sys.stdout.write("z" * (8 << 20))
 sys.stdout.write("\n")
+print("KDBENCH " + "[" * 50000 + "]" * 50000)  # an event too deep for json
+"""
+# engine.build swapped too: it succeeds but leaves a build.json too deep for json
+HOSTILE_BUILD = r"""
+import argparse
+from pathlib import Path
+p = argparse.ArgumentParser()
+p.add_argument("--arch")
+p.add_argument("--out")
+out = Path(p.parse_args().out)
+out.mkdir(parents=True, exist_ok=True)
+(out / "build.json").write_text('{"kernels": ' + "[" * 50000 + "]" * 50000 + "}")
 """
 
 
 def test_hostile_payload_is_contained_and_earlier_runs_survive(world: dict, measured: subprocess.CompletedProcess,
                                                                tmp_path: Path) -> None:
-    """A host whose engine.bench is swapped: the run completes, the good files land, the projected
-    e2e.arrow is quarantined with its reason, and every run stored before is still there."""
+    """A host whose engine.bench and engine.build are swapped: the run completes, the good files
+    land, the projected e2e.arrow is quarantined with its reason, and every run stored before is
+    still there."""
     import shutil
     import tarfile
 
@@ -304,6 +317,7 @@ def test_hostile_payload_is_contained_and_earlier_runs_survive(world: dict, meas
     with tarfile.open(payload.path) as tar:
         tar.extractall(pdir, filter="data")
     (pdir / "engine" / "bench.py").write_text(HOSTILE_BENCH)
+    (pdir / "engine" / "build.py").write_text(HOSTILE_BUILD)
     (pdir / ".complete").touch()
     store = Store(str(world["artifacts"]))
     before = [(r.host, r.run_id) for r in store.runs()]

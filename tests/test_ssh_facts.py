@@ -22,3 +22,4 @@ def test_facts_parsing_is_defensive() -> None:
     assert any(m.startswith("gpus:") for m in found) and any("NVIDIA H200" in m for m in found)
     assert _parse_facts("KDBENCH_FACTS [1, 2]")["arch_found"] == "cpu"
     assert _parse_facts("KDBENCH_FACTS {not json")["gpu_count"] == 0
+    assert _parse_facts("KDBENCH_FACTS " + "[" * 50_000 + "]" * 50_000)["gpu_count"] == 0  # too deep for json
