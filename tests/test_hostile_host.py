@@ -211,6 +211,10 @@ def _projected_run(out: Path) -> None:
     write_table(out, _runs(source="projected"))
 
 
+def _other_host(out: Path) -> None:  # what ingest refuses is refused at pull, by the same check
+    write_table(out, _runs(host="someone-else"))
+
+
 def _oversize(out: Path) -> None:
     write_table(out, _kernels(n=2000))
 
@@ -225,6 +229,7 @@ CASES: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "rows-labelled-projected": (_projected_rows, "kernels.arrow", "only measured"),
     "run-labelled-projected": (_projected_run, "runs.arrow", "only measured"),
     "oversize": (_oversize, "kernels.arrow", "cap"),
+    "run-of-another-host": (_other_host, "runs.arrow", "names host"),
 }
 
 
@@ -319,8 +324,8 @@ def test_read_table_refuses_what_would_crash_a_reader(tmp_path: Path) -> None:
         for t in (_runs(), _kernels(), _e2e()):
             write_table(d, t)
         spoil(d)
-        if case.endswith("projected"):
-            read_table(d / bad)  # a valid file: only a host may not send it (pull refuses it)
+        if case.endswith("projected") or case == "run-of-another-host":
+            read_table(d / bad)  # a valid file, refused at pull by check_run_tables
             continue
         with pytest.raises(SchemaError, match=words):
             read_table(d / bad)
