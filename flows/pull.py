@@ -20,7 +20,7 @@ from engine.schema import (MANIFEST, TABLES, SchemaError, provenance, read_table
 from flows.ssh import Remote
 from flows.store import Store, check_name
 
-_NAME = re.compile(r"^[a-z0-9_]{1,64}\.arrow$")
+_NAME = re.compile(r"^[a-z0-9_]{1,64}\.arrow\Z")
 SHORT_S = 120.0
 
 

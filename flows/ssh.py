@@ -36,7 +36,7 @@ logging.getLogger(_PARAMIKO_LOG).addHandler(logging.NullHandler())
 logging.getLogger(_PARAMIKO_LOG).propagate = False
 KILL_AFTER_S = 10
 _LOCAL_GRACE_S = 5.0
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 class Timeouts(BaseModel):
@@ -166,7 +166,7 @@ def remote_command(argv: Sequence[str], *, timeout_s: float, cwd: str | None = N
         raise ValueError(f"timeout_s must be positive (got {timeout_s})")
     parts: list[str] = []
     if cwd is not None:
-        parts += ["cd", shlex.quote(cwd), "&&"]
+        parts += ["cd", "--", shlex.quote(cwd), "&&"]
     if env:
         parts.append("env")
         for k, v in env.items():

@@ -21,7 +21,7 @@ HOSTILE = "w $(touch {marker}) `touch {marker}` 'q\" ; x"
 
 def test_remote_command_quotes_every_value() -> None:
     line = remote_command(["echo", "a b", "$(x)"], timeout_s=5, cwd="d $(y)", env={"K": "v;w"})
-    assert line == "cd 'd $(y)' && env K='v;w' timeout -k 10 5 echo 'a b' '$(x)'"
+    assert line == "cd -- 'd $(y)' && env K='v;w' timeout -k 10 5 echo 'a b' '$(x)'"
     assert "timeout -k 10 1000000 true" in remote_command(["true"], timeout_s=1e6)
     with pytest.raises(ValueError):
         remote_command(["true"], timeout_s=1, env={"A;B": "x"})
