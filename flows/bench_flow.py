@@ -45,7 +45,7 @@ from flows import notes as notes_mod
 from flows import projection
 from flows.inventory import Host, Inventory, host_path, load_host, load_inventory, now, retire, update_host
 from flows.pull import Pulled, pull, quarantine, record_unfinished
-from flows.scrub import md, redact
+from flows.scrub import fenced, md, plain, redact
 from flows.settings import Settings
 from flows.ssh import ProbeResult, Remote, RemoteError, probe
 from flows.store import Store
@@ -185,7 +185,7 @@ def build(remote: Remote, host: Host, dep: deploy_mod.Deployed, run_dir: str, ti
         create_markdown_artifact(
             key=_key("build-log", host.name),
             markdown=f"# Build failed on {host.name}\n\nexit status {res.rc}"
-                     f"{' (timed out)' if res.timed_out else ''}, arch {host.arch}\n\n```\n{tail}\n```\n",
+                     f"{' (timed out)' if res.timed_out else ''}, arch {host.arch}\n\n{fenced(tail)}\n",
             description=f"engine.build log of {host.name}",
         )
         raise BuildFailed(f"engine.build failed on {host.name} (exit {res.rc}); the build log is the "
@@ -193,9 +193,10 @@ def build(remote: Remote, host: Host, dep: deploy_mod.Deployed, run_dir: str, ti
     with tempfile.TemporaryDirectory() as tmp:
         remote.get(f"{out}/build.json", Path(tmp) / "build.json")
         info = json.loads((Path(tmp) / "build.json").read_text())
-    kernels = info.get("kernels", {}) if isinstance(info, dict) else {}
-    log.info("build on %s: %d kernels, %s", host.name, len(kernels),
-             ", ".join(f"{k} {v.get('status')}" for k, v in sorted(kernels.items()) if isinstance(v, dict)))
+    kernels = info.get("kernels") if isinstance(info, dict) else None
+    kernels = kernels if isinstance(kernels, dict) else {}  # build.json is what the host wrote
+    log.info("build on %s: %d kernels, %s", host.name, len(kernels), _scrub(host, plain(", ".join(
+        f"{k} {v.get('status')}" for k, v in sorted(kernels.items()) if isinstance(v, dict)), cap=2000)))
     return info
 
 

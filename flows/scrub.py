@@ -3,7 +3,7 @@
 Everything a host sends (GPU names, versions, kernel and config names, error text) is untrusted.
 `plain` turns such a value into one bounded line with addresses, logins and key paths redacted;
 `md` also escapes it for markdown, so it cannot break a table, open a link, load a remote image or
-inject HTML. `leaks` is the last check before a page or a commit leaves: it names what the text
+inject HTML; `fenced` quotes verbatim output in a code block it cannot close. `leaks` is the last check before a page or a commit leaves: it names what the text
 would reveal. Matching first normalises the text (NFKC, invisible characters dropped) and ignores
 letter case, so an address cannot slip through as `10.0.0.1` split by a zero-width space, in
 full-width digits, or as `GPU-BOX.lab` for `gpu-box.lab`.
@@ -115,3 +115,10 @@ def md(value: Any, inv: Inventory | None = None, cap: int = CAP) -> str:
     """A host string for a markdown page or table cell: `plain`, then every markdown-active character escaped."""
     text = _MD_SPECIAL.sub(r"\\\1", plain(value, inv, cap))
     return _AUTOLINK.sub(lambda m: "".join("\\" + c if c in ":/." else c for c in m.group(0)), text)
+
+
+def fenced(text: str) -> str:
+    """text as a markdown code block whose fence no line of it can close (host output, verbatim)."""
+    text = "".join(c for c in text if c in "\n\t" or unicodedata.category(c) != "Cc")
+    fence = "`" * max(3, 1 + max((len(r) for r in re.findall(r"`+", text)), default=0))
+    return f"{fence}\n{text}\n{fence}"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from flows.inventory import Host, Inventory
-from flows.scrub import leaks, md, plain, redact
+from flows.scrub import fenced, leaks, md, plain, redact
 
 
 def _inv(**hosts: dict) -> Inventory:
@@ -76,3 +76,10 @@ def test_plain_caps_and_redacts() -> None:
                                          ("1.2.3.4.5", False), ("version 2.13.0.1234", False)])
 def test_ipv4_inside_names_but_not_longer_numbers(text: str, found: bool) -> None:
     assert ("an IPv4 address" in leaks(text)) is found
+
+
+def test_fenced_output_cannot_close_its_block() -> None:
+    out = fenced("ok\n```\n<img src=x>\n````` \x1b[2J")
+    fence = out.splitlines()[0]
+    assert set(fence) == {"`"} and len(fence) == 6 and out.endswith("\n" + fence)
+    assert fence not in out[len(fence):-len(fence)] and "\x1b" not in out
