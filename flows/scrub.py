@@ -3,8 +3,8 @@
 Everything a host sends (GPU names, versions, kernel and config names, error text) is untrusted.
 `plain` turns such a value into one bounded line with addresses, logins and key paths redacted;
 `md` also escapes it for markdown, so it cannot break a table, open a link, load a remote image or
-inject HTML; `fenced` quotes verbatim output in a code block it cannot close. `leaks` is the last check before a page or a commit leaves: it names what the text
-would reveal. Matching first normalises the text (NFKC, invisible characters dropped) and ignores
+inject HTML; `fenced` quotes verbatim output in a code block it cannot close. `leaks` is the last
+check before a page or a commit leaves: it names what the text would reveal. Matching first normalises the text (NFKC, invisible characters dropped) and ignores
 letter case, so an address cannot slip through as `10.0.0.1` split by a zero-width space, in
 full-width digits, or as `GPU-BOX.lab` for `gpu-box.lab`.
 """
