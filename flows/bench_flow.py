@@ -341,9 +341,9 @@ def _measure(s: Settings, store: Store, host: Host, suites: list[str], profile: 
             report.route, report.outcome, report.detail = "python_lacks_torch", "unmeasured", problem
             return
         run_id = report.run_id = _run_id()
-        run_dir = f"{host.work_dir.rstrip('/')}/runs/{run_id}"
-        out_dir = f"{run_dir}/out"
         dep = deploy_payload(remote, host)
+        run_dir = f"{dep.work_dir.rstrip('/')}/runs/{run_id}"
+        out_dir = f"{run_dir}/out"
         report.payload_hash, report.uploaded = dep.payload_hash, dep.uploaded
         build(remote, host, dep, run_dir, s.build_timeout_s)
         for suite in suites:

@@ -4,7 +4,8 @@ The tarball is deterministic (sorted members, fixed mtimes/owners, gzip without 
 its sha256 names the code exactly: a host that already unpacked that hash gets nothing uploaded,
 and every result file carries the hash of the code that produced it.
 
-Remote layout under the host's work_dir:
+Remote layout under the host's work_dir (resolved to an absolute path on the host first: the
+benchmarks run inside the payload folder, where a relative work_dir would point elsewhere):
     payloads/<hash>/        the unpacked payload (complete once it holds `.complete`)
     venv/                   `python -m venv --system-site-packages`, plus a .pth to the host
                             python's own site-packages, so the host's torch/triton are reused
@@ -61,6 +62,7 @@ class Payload(BaseModel):
 
 
 class Deployed(BaseModel):
+    work_dir: str  # absolute, on the host
     payload_hash: str
     uploaded: bool
     payload_dir: str
@@ -111,9 +113,19 @@ _UNPACK = ('set -e; rm -rf -- "$1.tmp"; mkdir -p -- "$1.tmp"; tar -xzf "$2" -C "
            'touch -- "$1.tmp/' + MARKER + '"; rm -rf -- "$1"; mv -- "$1.tmp" "$1"; rm -f -- "$2"')
 
 
-def upload(remote: Remote, host: Host, payload: Payload, log: logging.Logger | logging.LoggerAdapter) -> tuple[str, bool]:
+def resolve_work_dir(remote: Remote, host: Host) -> str:
+    """The host's work_dir as an absolute path, created when missing (relative = under the login's home)."""
+    out = _check(remote.run(["sh", "-c", 'mkdir -p -- "$1" && cd -- "$1" && pwd -P', "work_dir", host.work_dir],
+                            timeout_s=SHORT_S), "resolve work_dir").strip()
+    if not out.startswith("/") or len(out) > 4096 or not out.isprintable():
+        raise DeployError(f"the host answered no usable absolute path for work_dir ({len(out)} characters)")
+    return out
+
+
+def upload(remote: Remote, host: Host, payload: Payload, log: logging.Logger | logging.LoggerAdapter,
+           work_dir: str) -> tuple[str, bool]:
     """Unpack the payload on the host unless that hash is already there; returns (dir, uploaded)."""
-    base = f"{host.work_dir.rstrip('/')}/payloads"
+    base = f"{work_dir.rstrip('/')}/payloads"
     pdir = f"{base}/{payload.sha256}"
     if remote.run(["test", "-f", f"{pdir}/{MARKER}"], timeout_s=SHORT_S).rc == 0:
         log.info("payload %s already on %s: nothing uploaded", payload.sha256[:12], host.name)
@@ -228,11 +240,11 @@ def python_problem(remote: Remote, host: Host) -> str | None:
     return f"{where}: field 'python': {found}; kdbench never installs torch or triton; {hint}"
 
 
-def ensure_venv(remote: Remote, host: Host, log: logging.Logger | logging.LoggerAdapter,
+def ensure_venv(remote: Remote, host: Host, log: logging.Logger | logging.LoggerAdapter, work_dir: str,
                 on_line: Callable[[str], None] | None = None) -> tuple[str, list[str]]:
     """Create the host venv once and install only the requirements the host python lacks (never
     torch or triton: those must come with the host python, see `python_problem`)."""
-    venv = f"{host.work_dir.rstrip('/')}/venv"
+    venv = f"{work_dir.rstrip('/')}/venv"
     py = f"{venv}/bin/python"
     ready = f"{venv}/.kdbench-ready"  # written last: a half-made venv is made again
     if remote.run(["test", "-f", ready], timeout_s=SHORT_S).rc != 0:
@@ -269,7 +281,8 @@ def deploy(remote: Remote, host: Host, payload: Payload, log: logging.Logger | l
     problem = python_problem(remote, host)
     if problem:
         raise HostPythonError(problem)
-    pdir, uploaded = upload(remote, host, payload, log)
-    py, installed = ensure_venv(remote, host, log, on_line)
-    return Deployed(payload_hash=payload.sha256, uploaded=uploaded, payload_dir=pdir,
+    work_dir = resolve_work_dir(remote, host)
+    pdir, uploaded = upload(remote, host, payload, log, work_dir)
+    py, installed = ensure_venv(remote, host, log, work_dir, on_line)
+    return Deployed(work_dir=work_dir, payload_hash=payload.sha256, uploaded=uploaded, payload_dir=pdir,
                     python=py, installed=installed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import shlex
 import shutil
 import subprocess
@@ -112,3 +113,20 @@ def test_a_python_that_does_not_run_is_named_with_the_alternatives(sandbox_facto
     with Remote(host, sbx.hosts_dir) as r:
         msg = deploy.python_problem(r, host)
     assert msg and "field 'python'" in msg and "did not run on the host (exit 127)" in msg and str(with_torch) in msg
+
+
+@pytest.mark.integration
+def test_a_relative_work_dir_is_resolved_on_the_host(sandbox_factory, tmp_path: Path) -> None:
+    """The shipped hosts say `work_dir: kdbench` (under the login's home); the benchmarks run inside the
+    payload folder, so the venv's python must be an absolute path there."""
+    sbx = sandbox_factory(names=["rel"])
+    home = pwd.getpwnam(sbx.host("rel").user).pw_dir
+    host = update_host(sbx.hosts_dir, "rel", work_dir=os.path.relpath(tmp_path / "work", home))
+    assert not host.work_dir.startswith("/")
+    payload = deploy.build_payload(tmp_path / "p", root=_copy_sources(tmp_path / "src"))
+    with Remote(host, sbx.hosts_dir) as r:
+        dep = deploy.deploy(r, host, payload, log)
+        res = r.run([dep.python, "-c", "import engine.schema as s; print(s.__file__)"], timeout_s=120,
+                    cwd=dep.payload_dir)
+    assert dep.work_dir == str((tmp_path / "work").resolve()) and dep.python.startswith(dep.work_dir)
+    assert res.rc == 0 and res.stdout.strip().startswith(dep.payload_dir), res.stderr
