@@ -29,7 +29,7 @@ from engine.env import UsageError, facts, fail, now_iso, pick_device
 from engine.results import SuiteWriter, Terminated, install_signal_handlers
 from engine.timing import copy_gbps, matmul_tflops
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}\Z")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

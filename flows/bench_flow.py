@@ -6,6 +6,7 @@ One run of `bench`:
     probe (pinned key, bounded retries for unreachable/timeout)
       unauthorized | host_key_changed -> retire in the YAML -----------> project -> notes
       unreachable | timeout -> count it (released after N runs) --------> project -> notes
+      ok, but its python lacks torch/triton -> stop before any upload, naming file and field -> notes
       ok -> deploy -> build -> bench kernels -> e2e (-> comm) -> pull -> ingest -> notes
 Every branch ends COMPLETED with notes; only a failed build or a real bug ends FAILED. A reachable
 host is never projected: when nothing of its run could be ingested, the notes keep its last data.
@@ -44,6 +45,7 @@ from flows import notes as notes_mod
 from flows import projection
 from flows.inventory import Host, Inventory, host_path, load_host, load_inventory, now, retire, update_host
 from flows.pull import Pulled, pull, quarantine, record_unfinished
+from flows.scrub import fenced, md, plain, redact
 from flows.settings import Settings
 from flows.ssh import ProbeResult, Remote, RemoteError, TransferError, probe
 from flows.store import Store
@@ -51,6 +53,7 @@ from flows.store import Store
 NOTES_LIMIT = "kdbench-notes"
 BUILD_JSON_BYTES = 1 << 20
 _EVENT = "KDBENCH "
+REACHED = ("measured", "python_lacks_torch")  # routes of a reachable host: never projected
 
 
 class BuildFailed(RuntimeError):
@@ -69,7 +72,7 @@ class RunReport(BaseModel):
     """What one bench run did; published as the run's artifacts and returned by the flow."""
 
     host: str
-    route: str  # measured | retired | not_configured | unauthorized | host_key_changed | host_key_unknown | unreachable | timeout
+    route: str  # measured | python_lacks_torch | retired | not_configured | unauthorized | host_key_changed | host_key_unknown | unreachable | timeout
     outcome: str  # measured | partial | projected | unmeasured
     detail: str = ""
     run_id: str | None = None  # the measured run
@@ -116,7 +119,7 @@ def _run_id() -> str:
 def _scrub(host: Host, text: str) -> str:
     """Host output and SSH errors may quote the host's address, login or key path (a traceback
     under /home/<user>, an error naming user@address): redact them before logs and artifacts."""
-    return notes_mod.redact(text, Inventory(dir=Path("."), hosts={host.name: host}))
+    return redact(text, Inventory(dir=Path("."), hosts={host.name: host}))
 
 
 def _key(prefix: str, host: str) -> str:
@@ -133,14 +136,23 @@ def probe_host(host: Host, hosts_dir: Path, retries: int, backoff_s: float) -> P
     for attempt in range(retries + 1):
         res = probe(host, hosts_dir)
         log.info("probe %s: %s (%s) in %.1f s", host.name, res.outcome, _scrub(host, res.detail), res.elapsed_s)
-        for m in res.mismatches:
-            log.warning("inventory mismatch on %s: %s", host.name, m)
+        for m in res.mismatches:  # they quote what the host reported
+            log.warning("inventory mismatch on %s: %s", host.name, _scrub(host, m))
         if res.outcome not in ("unreachable", "timeout") or attempt == retries:
             return res
         delay = backoff_s * 2 ** attempt
         log.warning("%s %s; retry %d/%d in %.1f s", host.name, res.outcome, attempt + 1, retries, delay)
         time.sleep(delay)
     raise AssertionError("unreachable code")
+
+
+@task(name="check-python", cache_policy=NONE)
+def check_python(remote: Remote, host: Host) -> str | None:
+    """Why the host's python cannot run the payload (no torch or triton), or None; before any upload."""
+    problem = deploy_mod.python_problem(remote, host)
+    if problem:
+        get_run_logger().error("%s: not measured: %s", host.name, _scrub(host, problem))
+    return _scrub(host, problem) if problem else None
 
 
 @task(name="deploy", cache_policy=NONE)
@@ -174,7 +186,7 @@ def build(remote: Remote, host: Host, dep: deploy_mod.Deployed, run_dir: str, ti
         create_markdown_artifact(
             key=_key("build-log", host.name),
             markdown=f"# Build failed on {host.name}\n\nexit status {res.rc}"
-                     f"{' (timed out)' if res.timed_out else ''}, arch {host.arch}\n\n```\n{tail}\n```\n",
+                     f"{' (timed out)' if res.timed_out else ''}, arch {host.arch}\n\n{fenced(tail)}\n",
             description=f"engine.build log of {host.name}",
         )
         raise BuildFailed(f"engine.build failed on {host.name} (exit {res.rc}); the build log is the "
@@ -188,8 +200,8 @@ def build(remote: Remote, host: Host, dep: deploy_mod.Deployed, run_dir: str, ti
             info = {}
     kernels = info.get("kernels") if isinstance(info, dict) else None
     kernels = kernels if isinstance(kernels, dict) else {}
-    log.info("build on %s: %d kernels, %s", host.name, len(kernels),
-             ", ".join(f"{k} {v.get('status')}" for k, v in sorted(kernels.items()) if isinstance(v, dict)))
+    log.info("build on %s: %d kernels, %s", host.name, len(kernels), _scrub(host, plain(", ".join(
+        f"{k} {v.get('status')}" for k, v in sorted(kernels.items()) if isinstance(v, dict)), cap=2000)))
     return info
 
 
@@ -232,8 +244,8 @@ def pull_results(remote: Remote, host: str, run_id: str, out_dir: str, staging: 
     log = get_run_logger()
     pulled = pull(remote, out_dir, staging, host, run_id)
     log.info("pulled %d file(s): %s", len(pulled.accepted), ", ".join(pulled.accepted) or "none")
-    for name, why in pulled.quarantined.items():
-        log.error("quarantined %s: %s", name, why)
+    for name, why in pulled.quarantined.items():  # both may quote what the host sent
+        log.error("quarantined %s: %s", _scrub(remote.host, name), _scrub(remote.host, why))
     return pulled
 
 
@@ -328,11 +340,15 @@ def _headline(store: Store, host: str, run_id: str) -> list[str]:
 def _measure(s: Settings, store: Store, host: Host, suites: list[str], profile: str,
              bench_timeout_s: float, report: RunReport) -> None:
     log = get_run_logger()
-    run_id = report.run_id = _run_id()
-    run_dir = f"{host.work_dir.rstrip('/')}/runs/{run_id}"
-    out_dir = f"{run_dir}/out"
     with Remote(host, s.hosts_dir) as remote:
+        problem = check_python(remote, host)
+        if problem:
+            report.route, report.outcome, report.detail = "python_lacks_torch", "unmeasured", problem
+            return
+        run_id = report.run_id = _run_id()
         dep = deploy_payload(remote, host)
+        run_dir = f"{dep.work_dir.rstrip('/')}/runs/{run_id}"
+        out_dir = f"{run_dir}/out"
         report.payload_hash, report.uploaded = dep.payload_hash, dep.uploaded
         build(remote, host, dep, run_dir, s.build_timeout_s)
         for suite in suites:
@@ -365,7 +381,7 @@ def _measure(s: Settings, store: Store, host: Host, suites: list[str], profile: 
 def _publish(report: RunReport, s: Settings) -> None:
     title = {"measured": "measured", "partial": "measured (partial)", "projected": "projected",
              "unmeasured": "not measured"}[report.outcome]
-    lines = [f"# {report.host}: {title}", "", f"- route: **{report.route}** — {report.detail}"]
+    lines = [f"# {report.host}: {title}", "", f"- route: **{report.route}** — {md(report.detail, cap=2000)}"]
     if report.run_id:
         lines.append(f"- run: `{report.run_id}`")
     if report.payload_hash:
@@ -378,9 +394,9 @@ def _publish(report: RunReport, s: Settings) -> None:
     if report.projected_run_id:
         lines.append(f"- projection: `runs/host={report.host}/run={report.projected_run_id}` (source = projected)")
     for name, why in report.quarantined.items():
-        lines.append(f"- quarantined `{name}`: {why}")
+        lines.append(f"- quarantined {md(name)}: {md(why, cap=500)}")
     if report.headline:
-        lines += ["", "## Headline", *[f"- {h}" for h in report.headline]]
+        lines += ["", "## Headline", *[f"- {md(h)}" for h in report.headline]]
     if report.notes:
         lines += ["", "## Notes", *[f"- `{p}`" for p in report.notes]]
         lines.append(f"- {'commit `' + report.commit[:10] + '`' if report.commit else 'not committed' if not s.commit else 'unchanged'}")
@@ -439,7 +455,7 @@ def bench(host: str, suites: list[str] | None = None, profile: str | None = None
             else:
                 report = RunReport(host=host, route=res.outcome, outcome="unmeasured",
                                    detail=_route_unmeasurable(s, h, res))
-        if report.route != "measured":  # a reachable host keeps its last measured data in the notes
+        if report.route not in REACHED:  # a reachable host keeps its last measured data in the notes
             try:
                 report.projected_run_id = projection.project_task(s.artifacts, str(s.hosts_dir), host, reference)
                 report.outcome = "projected"

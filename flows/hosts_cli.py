@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pydantic import ValidationError
@@ -17,6 +18,7 @@ from flows.inventory import (
     Host, InventoryError, RetiredReason, activate, default_hosts_dir, fingerprint, key_line,
     load_host, load_inventory, now, retire, update_host, validation_message, write_new_host,
 )
+from flows.scrub import plain
 from flows.ssh import ProbeResult, RemoteError, Timeouts, fetch_host_key, probe
 
 hosts_app = typer.Typer(help="Inventory hosts: list, add, pin host keys, probe, retire.", no_args_is_help=True)
@@ -133,19 +135,24 @@ def trust(
         out.print(f"{name} is still retired ({host.retired_reason}); `kdbench hosts activate {name}` to use it")
 
 
+def _safe(v: object) -> str:
+    """A host-reported value for the terminal: one plain line (no control sequences), no rich markup."""
+    return escape(plain(v))
+
+
 def _show(r: ProbeResult) -> None:
     colour = "green" if r.outcome == "ok" else "red"
-    out.print(f"{r.host}: [{colour}]{r.outcome}[/{colour}] ({r.elapsed_s:.2f} s) {r.detail}", highlight=False)
+    out.print(f"{r.host}: [{colour}]{r.outcome}[/{colour}] ({r.elapsed_s:.2f} s) {_safe(r.detail)}", highlight=False)
     if r.outcome == "host_key_changed":
         out.print(f"  pinned {', '.join(r.pinned_fingerprints) or '-'}; presented {r.presented_fingerprint}",
                   highlight=False)
     if r.outcome == "ok":
         f = r.facts
         gpus = f"{f['gpu_count']}x {f['gpu_names'][0]}" if f["gpu_count"] else "no GPU"
-        out.print(f"  {gpus}, arch {f['arch_found']}, driver {f['driver'] or '-'}, python {f['python']}, "
-                  f"torch {f['torch']}, triton {f['triton']}, {f['disk_free_gb']} GB free", highlight=False)
+        out.print("  " + _safe(f"{gpus}, arch {f['arch_found']}, driver {f['driver'] or '-'}, python {f['python']}, "
+                        f"torch {f['torch']}, triton {f['triton']}, {f['disk_free_gb']} GB free"), highlight=False)
     for m in r.mismatches:
-        out.print(f"  [yellow]mismatch[/yellow] {m}", highlight=False)
+        out.print(f"  [yellow]mismatch[/yellow] {_safe(m)}", highlight=False)
 
 
 @hosts_app.command("check")

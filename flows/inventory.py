@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import os
 import re
 import tempfile
@@ -23,16 +24,23 @@ from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
+from ruamel.yaml.representer import RoundTripRepresenter
 
 Arch = Literal["sm_90", "sm_100", "sm_103", "sm_120", "cpu"]
 Status = Literal["active", "retired"]
 RetiredReason = Literal["unauthorized", "host_key_changed", "released", "unreachable"]
 Interconnect = Literal["pcie", "nvlink", "none"]
 
-SAFE_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+SAFE_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}\Z")  # \Z: `$` would let a trailing newline pass
 # Addresses that mark a shipped file the owner has not filled in yet; never contacted.
 PLACEHOLDER_MARKERS = ("replace-me", ".example", ".invalid")
 LOCK_DIR = ".locks"
+MAX_FILE_BYTES = 64 * 1024  # a host file is a screenful; anything larger is not one
+MAX_SHOWN = 80              # characters of a bad value quoted back in a message
+# What the flows write back: the only fields a notes commit records of a host file (the operator's
+# address, user, key path and everything else stay as the committed file has them).
+STATUS_FIELDS = ("status", "retired_reason", "retired_at", "presented_host_key_fingerprint",
+                 "unreachable_runs", "last_seen")
 
 
 class InventoryError(Exception):
@@ -90,6 +98,16 @@ class Host(BaseModel):
                 "must be a safe identifier: lower-case letter first, then letters, digits, '-' or '_'"
                 " (at most 63 characters)"
             )
+        return v
+
+    @field_validator("work_dir", "python")
+    @classmethod
+    def _not_an_option(cls, v: str) -> str:
+        # both become arguments of remote commands (cd, mkdir, the interpreter itself)
+        if v.startswith("-"):
+            raise ValueError("must not start with '-' (a command would read it as an option)")
+        if any(ord(c) < 32 or ord(c) == 127 for c in v):
+            raise ValueError("must not contain control characters")
         return v
 
     @field_validator("host_keys")
@@ -173,10 +191,18 @@ def default_hosts_dir() -> Path:
     return Path(env) if env else repo_root() / "hosts"
 
 
+class _Representer(RoundTripRepresenter):
+    """Writes `null` as the shipped files spell it (ruamel's default writes nothing after the colon)."""
+
+
+_Representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+
+
 def _yaml() -> YAML:
     y = YAML(typ="rt")
     y.preserve_quotes = True
     y.width = 4096
+    y.Representer = _Representer
     return y
 
 
@@ -188,17 +214,32 @@ def display_path(path: Path) -> str:
         return str(path)
 
 
-def _read_yaml(path: Path) -> Any:
+def parse_yaml(text: str, where: str) -> Any:
+    """One YAML document, round-trip; anchors and aliases are refused (an alias bomb of a few
+    hundred bytes expands exponentially, and nothing in a host file needs them)."""
     try:
-        with path.open("r", encoding="utf-8") as f:
-            return _yaml().load(f)
+        for event in _yaml().parse(text):
+            if type(event).__name__ == "AliasEvent" or getattr(event, "anchor", None):
+                raise InventoryError(f"{where}: YAML anchors and aliases are not allowed "
+                                     f"(line {event.start_mark.line + 1})")
+        return _yaml().load(text)
     except YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise InventoryError(f"{display_path(path)}: malformed YAML{where}: {problem}") from None
+        raise InventoryError(f"{where}: malformed YAML{at}: {problem[:MAX_SHOWN]}") from None
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+        if len(raw) > MAX_FILE_BYTES:
+            raise InventoryError(f"{display_path(path)}: larger than {MAX_FILE_BYTES // 1024} KiB; not a host file")
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise InventoryError(f"{display_path(path)}: cannot be read: {e}") from None
+    return parse_yaml(text, display_path(path))
 
 
 def validation_message(path: Path, e: ValidationError) -> str:
@@ -211,7 +252,8 @@ def validation_message(path: Path, e: ValidationError) -> str:
         elif err["type"] == "missing":
             msg = "required field is missing"
         elif "input" in err and err["type"] not in ("missing",):
-            msg = f"{msg} (got {err['input']!r})"
+            got = repr(err["input"])
+            msg = f"{msg} (got {got if len(got) <= MAX_SHOWN else got[:MAX_SHOWN] + '...'})"
         parts.append(f"field '{loc}': {msg}")
     return f"{display_path(path)}: " + "; ".join(parts)
 
@@ -275,7 +317,7 @@ def load_inventory(hosts_dir: Path) -> Inventory:
 
 def host_path(hosts_dir: Path, name: str) -> Path:
     if not SAFE_NAME.match(name):
-        raise InventoryError(f"host name {name!r} is not a safe identifier")
+        raise InventoryError(f"host name {name[:MAX_SHOWN]!r} is not a safe identifier")
     for suffix in (".yaml", ".yml"):
         p = Path(hosts_dir) / f"{name}{suffix}"
         if p.is_file():
@@ -361,3 +403,21 @@ def activate(hosts_dir: Path, name: str) -> Host:
         hosts_dir, name, status="active", retired_reason=None, retired_at=None,
         presented_host_key_fingerprint=None, unreachable_runs=0,
     )
+
+
+def host_status_text(base: str, current: str, where: str) -> str:
+    """`base` (a host file's text) with only its STATUS_FIELDS taken from `current`; unchanged
+    text when they already agree. What a notes commit records of a host file."""
+    old, new = parse_yaml(base, where), parse_yaml(current, where)
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        raise InventoryError(f"{where}: expected a mapping of fields")
+    if all(old.get(f) == new.get(f) and (f in old) == (f in new) for f in STATUS_FIELDS):
+        return base
+    for f in STATUS_FIELDS:
+        if f not in new:
+            old.pop(f, None)
+        elif f not in old or old[f] != new[f]:
+            old[f] = new[f]
+    out = io.StringIO()
+    _yaml().dump(old, out)
+    return out.getvalue()

@@ -5,13 +5,17 @@ environment, fixed number formats and sorted orders, so the same inputs give the
 git only sees a change when a figure changed. A host with no measured run gets a projected page,
 computed here the same (deterministic) way the flows store it. Pages name hosts, GPUs, versions
 and fingerprints, never addresses, user names or key paths: `leaks` checks that before writing.
+Every string that came from a host (GPU name, versions, kernel, impl, config, run ids) is made
+plain and redacted with the inventory when the views are gathered, and escaped with `md` where it
+enters a page, so one odd host cannot break a table, inject markup or block the fleet's notes.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
-import re
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,10 +24,11 @@ import pyarrow as pa
 
 from engine.schema import provenance
 from flows import plots
-from flows.inventory import Host, Inventory, Spec
+from flows.inventory import Host, Inventory, InventoryError, Spec, host_status_text
 from flows.projection import (TERMS, ProjectionError, Reference, breakdown, load_reference, point_key,
                               project, target_of)
-from flows.store import Store, StoreError
+from flows.scrub import leaks, md, plain, redact
+from flows.store import Store, StoreError, check_name
 
 NOISE = 0.05            # smallest change flagged as a regression, on top of the measured p10-p90 spread
 PLATEAU = 0.9           # plateau M: first M reaching this fraction of the best MoE bandwidth
@@ -137,6 +142,7 @@ def gather(store: Store, inv: Inventory, reference: str = "h200") -> list[HostVi
     names = set(inv.hosts) | {r.host for r in store.runs()}
     for ref_name in store.references():
         names.add(store.reference(ref_name)["runs"].column("host")[0].as_py())
+    names = {n for n in names if _page_name(n)}  # a name becomes a file name under docs/notes/
     ref: Reference | None = None
     ref_error = ""
     try:
@@ -158,8 +164,40 @@ def gather(store: Store, inv: Inventory, reference: str = "h200") -> list[HostVi
                 view.missing = ref_error
             else:
                 view.missing = f"host {name} is not in the inventory, so it has no spec sheet to project onto"
-        views.append(view)
+        views.append(_cleaned(view, inv))
     return views
+
+
+def _page_name(name: object) -> bool:
+    """A host name that can name a page and a plot folder: a store name that is not a path."""
+    try:
+        return isinstance(name, str) and check_name("host", name) == name
+    except StoreError:
+        return False
+
+
+def _clean_run(run: Run, inv: Inventory) -> Run:
+    """The run with every string a host wrote made plain and redacted (see flows/scrub.py)."""
+    def column(col: pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+        if not pa.types.is_string(col.type):
+            return col
+        return pa.array([None if v is None else plain(v, inv) for v in col.to_pylist()], type=col.type)
+
+    tables = {name: pa.Table.from_arrays([column(c) for c in t.columns], schema=t.schema)
+              for name, t in run.tables.items()}
+    return Run(plain(run.run_id, inv), tables)
+
+
+def _cleaned(view: HostView, inv: Inventory) -> HostView:
+    """Views are gathered from raw stored tables (lookups need the real ids), then cleaned for display."""
+    view.measured = [_clean_run(r, inv) for r in view.measured]
+    p = view.projection
+    if p:
+        view.projection = Projected(_clean_run(p.run, inv), plain(p.ref_host, inv), plain(p.ref_run_id, inv),
+                                    _clean_run(p.ref, inv) if p.ref else None, p.ref_spec,
+                                    [plain(a, inv, cap=1000) for a in p.assumptions], [plain(r, inv) for r in p.references])
+    view.missing = plain(view.missing, inv, cap=1000)
+    return view
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -279,13 +317,13 @@ def environment(view: HostView, run: Run) -> list[str]:
     r = run.runs_row
     copy, mm = ceilings_of(run, spec)
     if view.kind == "measured":
-        rows += [(k, str(r[k])) for k in ("gpu_name", "driver", "cuda", "torch", "triton", "python",
+        rows += [(k, md(r[k])) for k in ("gpu_name", "driver", "cuda", "torch", "triton", "python",
                                           "payload_hash", "device", "profile", "started_at") if r.get(k)]
         rows += [("measured copy bandwidth", f"{sig(r.get('copy_gbps'))} GB/s"),
                  ("measured matmul", f"{sig(r.get('matmul_tflops'))} TFLOP/s")]
     else:
         rows += [("projected ceilings", f"{sig(copy)} GB/s, {sig(mm)} TFLOP/s")]
-    rows.append(("run", run.run_id))
+    rows.append(("run", md(run.run_id)))
     return ["## Environment", ""] + _table(("", ""), rows)
 
 
@@ -308,7 +346,7 @@ def moe_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
                f"{k['unique_experts'] if k['unique_experts'] is not None else '-'} ({fmt(k['expected_experts'])})"]
         if projected:
             row[1:2] = [fmt(t), f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}",
-                        f"{k['regime']} ({k['reference_regime']})"]
+                        f"{md(k['regime'])} ({md(k['reference_regime'])})"]
         rows.append(row)
     impl = pts[0]["impl"]
     name = f"{view.name}: MoE W4A16 ({impl})"
@@ -323,7 +361,7 @@ def moe_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
     plots.lines(out_dir / "moe_pct_peak_bw.png", pct, f"{name}: bandwidth", "M (tokens)", "% of peak")
     shape = f"E={pts[0]['E']} routed experts, top-{pts[0]['top_k']}, H={pts[0]['K']}"
     return ["## MoE W4A16 GEMM", "",
-            f"{shape}, {impl}; plateau M = {plateau_m(pts)} (first M reaching "
+            f"{shape}, {md(impl)}; plateau M = {plateau_m(pts)} (first M reaching "
             f"{PLATEAU:.0%} of the best bandwidth).", ""] + _table(head, rows) + [
         f"![MoE us per token]({rel}/moe_us_per_token.png)", "",
         f"![MoE % of peak bandwidth]({rel}/moe_pct_peak_bw.png)", ""]
@@ -338,13 +376,13 @@ def other_kernels(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str
     rows = []
     for k in pts:
         t = k["time_us_p50"]
-        row = [k["kernel"], k["impl"], fmt(k["batch"], 0) if k["batch"] is not None else "-",
+        row = [md(k["kernel"]), md(k["impl"]), fmt(k["batch"], 0) if k["batch"] is not None else "-",
                str(k["budget"]) if k["budget"] is not None else "-",
                str(k["context"]) if k["context"] is not None else "-", fmt(t),
                sig(k["bytes"] / (t * 1e3)), sig(k["flops"] / (t * 1e6)),
-               k["regime"] or regime_of(k, *ceilings_of(run, view.spec))]
+               md(k["regime"] or regime_of(k, *ceilings_of(run, view.spec)))]
         if projected:
-            row += [f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}", k["reference_regime"] or "-"]
+            row += [f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}", md(k["reference_regime"] or "-")]
         rows.append(row)
     copy, mm = ceilings_of(run, view.spec)
     fams: dict[str, tuple[list[float], list[float]]] = {}
@@ -387,7 +425,7 @@ def e2e_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
         head.insert(6, "band (tokens/s)")
     table = []
     for e in rows:
-        r = [e["config"], str(e["layers"]), str(e["budget"]), str(e["concurrency"]),
+        r = [md(e["config"]), str(e["layers"]), str(e["budget"]), str(e["concurrency"]),
              fmt(e["accept_len_mean"], 2), fmt(e["tokens_per_s"], 0), fmt(e["step_ms_p50"], 2)]
         if projected:
             r.insert(6, f"{fmt(e['tokens_per_s_low'], 0)}-{fmt(e['tokens_per_s_high'], 0)}")
@@ -458,7 +496,7 @@ def comparison(view: HostView) -> list[str]:
         flagged += flag == "REGRESSION"
         if flag:
             shape = " ".join(f"{a}={k[a]}" for a in ("M", "batch", "budget", "context") if k[a] is not None)
-            rows.append([f"{k['kernel']}/{k['impl']}", shape, fmt(o["time_us_p50"]), fmt(k["time_us_p50"]),
+            rows.append([md(f"{k['kernel']}/{k['impl']}"), shape, fmt(o["time_us_p50"]), fmt(k["time_us_p50"]),
                          f"{change:+.1%}", f"{noise:.1%}", flag])
     olde = {(e["config"], e["budget"], e["concurrency"]): e for e in prev.rows("e2e")}
     for e in cur.rows("e2e"):
@@ -470,7 +508,7 @@ def comparison(view: HostView) -> list[str]:
             if flag:
                 rows.append(["e2e tokens/s", f"c={e['concurrency']} budget={e['budget']}", fmt(o["tokens_per_s"], 0),
                              fmt(e["tokens_per_s"], 0), f"{change:+.1%}", f"{NOISE:.1%}", flag])
-    out += [f"Run {cur.run_id} against {prev.run_id}: {flagged} regression(s) beyond the noise "
+    out += [f"Run {md(cur.run_id)} against {md(prev.run_id)}: {flagged} regression(s) beyond the noise "
             f"(the larger of {NOISE:.0%} and the points' p10-p90 spread).", ""]
     return out + (_table(["point", "shape", "before", "now", "change", "noise", ""], rows) if rows else [])
 
@@ -485,9 +523,9 @@ def projection_section(view: HostView) -> list[str]:
     p = view.projection
     gpu = f" ({p.ref_spec.gpu})" if p.ref_spec else ""
     return ["## Projection", "",
-            f"Reference: host {p.ref_host}, run {p.ref_run_id}{gpu}; "
-            f"references used for the band: {', '.join(p.references)}.", "", "Assumptions:", ""] + \
-        [f"- {a}" for a in p.assumptions] + [
+            f"Reference: host {md(p.ref_host)}, run {md(p.ref_run_id)}{gpu}; "
+            f"references used for the band: {', '.join(md(r) for r in p.references)}.", "", "Assumptions:", ""] + \
+        [f"- {md(a, cap=1000)}" for a in p.assumptions] + [
         "", "Every figure on this page is a projection with a low-high band, not a measurement.", ""]
 
 
@@ -498,15 +536,15 @@ def render_host(view: HostView, docs_dir: Path) -> str:
     gpu = f" ({view.spec.gpu})" if view.spec else ""
     if view.kind == "measured":
         lines = [f"# {view.name}{gpu}: measured", "",
-                 f"**Data: measured.** Latest run {run.run_id}"
+                 f"**Data: measured.** Latest run {md(run.run_id)}"
                  f"{' (partial: some suites did not finish)' if run.partial else ''}; "
                  f"inventory status: {status_line(view)}.", ""]
     elif view.kind == "projected":
         lines = [f"# {view.name}{gpu}: projected", "",
-                 f"**Data: projected** from {view.projection.ref_host} run {view.projection.ref_run_id}; "
+                 f"**Data: projected** from {md(view.projection.ref_host)} run {md(view.projection.ref_run_id)}; "
                  f"this host has no run of its own yet. Inventory status: {status_line(view)}.", ""]
     else:
-        lines = [f"# {view.name}{gpu}: no data", "", f"**Data: none.** {view.missing}", ""]
+        lines = [f"# {view.name}{gpu}: no data", "", f"**Data: none.** {md(view.missing, cap=1000)}", ""]
     if run is not None:
         rel = view.name
         lines += environment(view, run)
@@ -521,7 +559,7 @@ def render_index(views: Sequence[HostView]) -> str:
     rows = []
     for v in views:
         run = v.latest
-        started = (run.runs_row.get("started_at") or "-") if run else "-"
+        started = md(run.runs_row.get("started_at") or "-") if run else "-"
         gpu = f"{v.host.gpus} x {v.spec.gpu}" if v.host and v.spec else "-"
         retired = "-"
         if v.host and v.host.status == "retired":
@@ -529,7 +567,7 @@ def render_index(views: Sequence[HostView]) -> str:
             retired = f"{v.host.retired_reason or '-'}, {when}"
         status = v.host.status if v.host else "not in inventory"
         rows.append([f"[{v.name}]({v.name}.md)", gpu, v.host.interconnect if v.host else "-", status, retired,
-                     v.kind, f"{run.run_id} ({started})" if run else "-", headline(v)])
+                     v.kind, f"{md(run.run_id)} ({started})" if run else "-", headline(v)])
     lines = ["# kdbench fleet", "",
              "Generated by `kdbench notes` from artifacts/ and hosts/. A projected host has no run of its own; "
              "its figures are carried from a measured reference and carry a low-high band.", ""]
@@ -538,38 +576,14 @@ def render_index(views: Sequence[HostView]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-# -- leaks ----------------------------------------------------------------------------------------
+# -- writing ------------------------------------------------------------------------------------
 
-_OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
-_IPV4 = re.compile(rf"(?<![\d.]){_OCTET}(?:\.{_OCTET}){{3}}(?![\d.])")
-_KEYISH = re.compile(r"(?:~|/home|/root)/\S*|\S*\.ssh\b\S*|\S*\bid_(?:rsa|ed25519|ecdsa)\S*|BEGIN [A-Z ]*PRIVATE KEY")
-_LOGIN = re.compile(r"[\w.-]+@(?=[\w\[])")
-
-
-def _patterns(inv: Inventory | None) -> list[tuple[str, re.Pattern[str]]]:
-    pats = []
-    for h in (inv.hosts.values() if inv else ()):
-        word = r"(?<![\w.-]){}(?![\w.-])"
-        pats += [(f"the address of {h.name}", re.compile(word.format(re.escape(h.address)))),
-                 (f"the key path of {h.name}", re.compile(word.format(re.escape(h.key_file)))),
-                 # a user name is often a common word (root, kdbench): look for it where it names a login
-                 (f"the user of {h.name}", re.compile(rf"(?<![\w.-]){re.escape(h.user)}@|/home/{re.escape(h.user)}\b"))]
-    # then anything shaped like one, whoever it belongs to
-    return pats + [("an IPv4 address", _IPV4), ("a home or key path", _KEYISH), ("a login (user@host)", _LOGIN)]
-
-
-def leaks(text: str, inv: Inventory | None = None) -> list[str]:
-    """What `text` would reveal: inventory addresses, logins and key paths, or anything shaped like them.
-
-    Returns labels, never the matched text, so the error that reports a leak does not repeat it.
-    """
-    return sorted({label for label, pat in _patterns(inv) if pat.search(text)})
-
-
-def redact(text: str, inv: Inventory | None = None) -> str:
-    for _, pat in _patterns(inv):
-        text = pat.sub("[redacted]", text)
-    return text
+def _inside(path: Path, root: Path) -> Path:
+    """path, refused unless it resolves strictly inside root (symlinks included)."""
+    full = path.resolve()
+    if full == root.resolve() or not full.is_relative_to(root.resolve()):
+        raise NotesError(f"refusing to write {path.name}: it resolves outside {root.name}/")
+    return path
 
 
 def render_notes(store: Store, inv: Inventory, docs_dir: Path, reference: str = "h200") -> list[Path]:
@@ -577,6 +591,8 @@ def render_notes(store: Store, inv: Inventory, docs_dir: Path, reference: str = 
     views = gather(store, inv, reference)
     notes_dir = Path(docs_dir) / "notes"
     notes_dir.mkdir(parents=True, exist_ok=True)
+    for v in views:
+        _inside(notes_dir / v.name, notes_dir), _inside(notes_dir / f"{v.name}.md", notes_dir)
     pages = {notes_dir / f"{v.name}.md": render_host(v, notes_dir) for v in views}
     pages[notes_dir / "README.md"] = render_index(views)
     for path, text in pages.items():
@@ -591,17 +607,67 @@ def render_notes(store: Store, inv: Inventory, docs_dir: Path, reference: str = 
 
 # -- git ----------------------------------------------------------------------------------------
 
-def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def _git(repo: Path, *args: str, check: bool = True, index: Path | None = None,
+         stdin: str | None = None, text: bool = True) -> subprocess.CompletedProcess:
+    """git in repo, with kdbench's identity and (index) a private index file."""
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("GIT_")}, **GIT_ENV}
-    return subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=True,
-                          check=check, timeout=60)
+    if index is not None:
+        env["GIT_INDEX_FILE"] = str(index)
+    return subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=text,
+                          check=check, timeout=60, input=stdin)
+
+
+def _host_blob(repo: Path, head: str | None, rel: str) -> str | None:
+    """What a notes commit may record of a host file: its HEAD version with only the status fields
+    replaced by the working file's. None for a file HEAD does not have: kdbench never commits an
+    operator's file (address, user, key path) of its own accord."""
+    if head is None:
+        return None
+    old = _git(repo, "show", f"{head}:{rel}", check=False)
+    if old.returncode != 0:
+        return None
+    try:
+        return host_status_text(old.stdout, (repo / rel).read_text(encoding="utf-8"), rel)
+    except (InventoryError, OSError, UnicodeDecodeError) as e:
+        raise NotesError(f"{rel}: cannot take its status fields: {redact(str(e))}") from None
+
+
+def _added(old: str, new: str) -> str:
+    """The lines of new that old does not have: what a commit adds to the history."""
+    return "\n".join(line[1:] for line in difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=0)
+                     if line.startswith("+") and not line.startswith("+++"))
+
+
+def _check_staged(repo: Path, head: str | None, rels: Sequence[str], index: Path, inv: Inventory | None) -> None:
+    """The leak check over every file the commit would record. Pages are checked whole; a host
+    file only in the lines kdbench adds (its HEAD version is already history). Binary files (the
+    plots) are checked for the inventory's own values only."""
+    for rel in rels:
+        blob = _git(repo, "cat-file", "blob", f":{rel}", check=False, index=index, text=False)
+        if blob.returncode != 0:
+            continue  # deleted
+        data = blob.stdout
+        if b"\0" in data:
+            bad = leaks(data.decode("latin-1"), inv, generic=False)
+        else:
+            text = data.decode("utf-8", errors="replace")
+            if rel.startswith("hosts/") and head is not None:
+                old = _git(repo, "show", f"{head}:{rel}", check=False)
+                text = _added(old.stdout if old.returncode == 0 else "", text)
+            bad = leaks(text, inv)
+        if bad:
+            raise NotesError(f"refusing to commit {rel}: it would reveal {', '.join(bad)}; nothing committed")
 
 
 def commit_notes(repo: Path, paths: Sequence[Path], message: str, inv: Inventory | None = None) -> str | None:
     """Commit exactly `paths` (under docs/ or hosts/) when they changed; returns the commit id or None.
 
-    The message is redacted first (addresses, logins, key paths), since callers build it from
-    run details that may quote an SSH error.
+    The commit is built in a private index from HEAD: pages as written, host files as HEAD has them
+    with only the status fields kdbench writes replaced (`_host_blob`), so an operator's address,
+    user and key path in the working file never enter the history, nor anything the operator had
+    staged. Every recorded file passes the leak check; the working files are left as they are. The
+    message is redacted first (addresses, logins, key paths), since callers build it from run
+    details that may quote an SSH error.
     """
     repo = Path(repo).resolve()
     rels = []
@@ -609,15 +675,35 @@ def commit_notes(repo: Path, paths: Sequence[Path], message: str, inv: Inventory
         full = Path(p).resolve() if Path(p).is_absolute() else repo / p
         if not full.is_relative_to(repo) or full.relative_to(repo).parts[:1] not in (("docs",), ("hosts",)):
             raise NotesError(f"refusing to commit {Path(p).name}: notes commits touch only docs/ and hosts/")
-        rels.append(str(full.relative_to(repo)))
+        rels.append(full.relative_to(repo).as_posix())
     if not rels:
         return None
     try:
-        _git(repo, "add", "-A", "--", *rels)
-        if _git(repo, "diff", "--cached", "--quiet", "--", *rels, check=False).returncode == 0:
-            return None
-        _git(repo, "commit", "-q", "-m", redact(message, inv), "--", *rels)
-        return _git(repo, "rev-parse", "HEAD").stdout.strip()
+        rev = _git(repo, "rev-parse", "--verify", "-q", "HEAD^{commit}", check=False)
+        head = rev.stdout.strip() if rev.returncode == 0 else None
+        with tempfile.TemporaryDirectory(prefix="kdbench-index-") as tmp:
+            index = Path(tmp) / "index"
+            _git(repo, "read-tree", *([head] if head else ["--empty"]), index=index)
+            pages = [r for r in rels if r.startswith("docs/")]
+            if pages:
+                _git(repo, "add", "-A", "--", *pages, index=index)
+            for rel in (r for r in rels if r.startswith("hosts/")):
+                text = _host_blob(repo, head, rel)
+                if text is not None:
+                    sha = _git(repo, "hash-object", "-w", "--stdin", stdin=text).stdout.strip()
+                    _git(repo, "update-index", "--cacheinfo", f"100644,{sha},{rel}", index=index)
+            out = _git(repo, "diff", "--cached", "--name-only", "-z", "--", *rels, index=index).stdout
+            staged = [s for s in out.split("\0") if s]
+            if not staged:
+                return None
+            _check_staged(repo, head, staged, index, inv)
+            tree = _git(repo, "write-tree", index=index).stdout.strip()
+        commit = _git(repo, "commit-tree", tree, *(["-p", head] if head else []),
+                      stdin=redact(message, inv)).stdout.strip()
+        _git(repo, "update-ref", "-m", "kdbench notes", "HEAD", commit, head or "0" * 40)
+        # the real index follows HEAD for what was committed; the working files stay as they are
+        _git(repo, "reset", "-q", "--", *staged)
+        return commit
     except subprocess.CalledProcessError as e:
         raise NotesError(f"git {e.cmd[3]} failed: {redact(e.stderr.strip()[:300], inv)}") from None
 

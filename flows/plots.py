@@ -2,7 +2,9 @@
 
 Figures are built on matplotlib's object API with the Agg canvas (no pyplot global state), under
 matplotlib's default rcParams plus a few fixed ones (so a user's matplotlibrc cannot change the
-bytes), and saved without the Software/date metadata that would differ between runs.
+bytes), and saved without the Software/date metadata that would differ between runs. Every label
+is shown as written (`_literal`): hosts name the kernels, and a `$...$` in a name would otherwise be
+parsed as mathtext (and may fail to parse). Tick labels keep their mathtext exponents.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ RC.update({"font.family": "DejaVu Sans", "font.size": 9, "figure.dpi": 100, "sav
 SIZE = (6.4, 3.8)
 TERM_COLORS = {"draft_ms": "#4C72B0", "tree_build_ms": "#55A868", "verify_ms": "#C44E52",
                "accept_ms": "#8172B2", "other_ms": "#937860", "comm_ms": "#DA8BC3"}
+
+
+def _literal(text: str) -> str:
+    """text with its dollar signs escaped, so matplotlib draws it as text, never as mathtext."""
+    return text.replace("$", r"\$")
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -44,10 +51,10 @@ def lines(path: Path, series: Sequence[tuple[str, Sequence[float], Sequence[floa
         fig = _figure()
         ax = fig.add_subplot()
         for label, x, y, band in series:
-            line, = ax.plot(x, y, marker="o", ms=3, label=label)
+            line, = ax.plot(x, y, marker="o", ms=3, label=_literal(label))
             if band:
                 ax.fill_between(x, band[0], band[1], color=line.get_color(), alpha=0.2, lw=0)
-        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        ax.set(title=_literal(title), xlabel=_literal(xlabel), ylabel=_literal(ylabel))
         if logx:
             ax.set_xscale("log", base=2)
         if logy:
@@ -68,12 +75,12 @@ def roofline(path: Path, points: Sequence[tuple[str, Sequence[float], Sequence[f
         for label, bw, tf in ceilings:
             ridge = tf * 1e3 / bw
             grid = sorted({lo, hi, min(max(ridge, lo), hi)})
-            ax.plot(grid, [min(bw * g / 1e3, tf) for g in grid], lw=1.5, ls="--", label=f"{label} roof")
+            ax.plot(grid, [min(bw * g / 1e3, tf) for g in grid], lw=1.5, ls="--", label=_literal(f"{label} roof"))
         for label, x, y in points:
             keep = [(a, b) for a, b in zip(x, y) if a > 0 and b > 0]
             if keep:
-                ax.scatter([a for a, _ in keep], [b for _, b in keep], s=12, label=label)
-        ax.set(title=title, xlabel="arithmetic intensity (flop / byte)", ylabel="TFLOP/s")
+                ax.scatter([a for a, _ in keep], [b for _, b in keep], s=12, label=_literal(label))
+        ax.set(title=_literal(title), xlabel="arithmetic intensity (flop / byte)", ylabel="TFLOP/s")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.legend(loc="lower right", fontsize=7)
@@ -85,13 +92,13 @@ def amdahl(path: Path, bars: Sequence[tuple[str, dict[str, float]]], title: str)
     with matplotlib.rc_context(RC):
         fig = _figure()
         ax = fig.add_subplot()
-        labels = [b[0] for b in bars]
+        labels = [_literal(b[0]) for b in bars]
         bottoms = [0.0] * len(bars)
         for term, color in TERM_COLORS.items():
             shares = [100 * t.get(term, 0.0) / (sum(t.values()) or 1.0) for _, t in bars]
             ax.bar(range(len(bars)), shares, bottom=bottoms, color=color, label=term.removesuffix("_ms"))
             bottoms = [b + s for b, s in zip(bottoms, shares)]
         ax.set_xticks(range(len(bars)), labels, fontsize=7, rotation=30, ha="right")
-        ax.set(title=title, ylabel="share of the step (%)", ylim=(0, 100))
+        ax.set(title=_literal(title), ylabel="share of the step (%)", ylim=(0, 100))
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
         return _save(fig, path)

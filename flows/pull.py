@@ -22,8 +22,8 @@ from engine.schema import (MANIFEST, MAX_FILE_BYTES, TABLES, SchemaError, check_
 from flows.ssh import Remote, TransferError
 from flows.store import Store, check_name
 
-_NAME = re.compile(r"^[a-z0-9_]{1,64}\.arrow$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_NAME = re.compile(r"^[a-z0-9_]{1,64}\.arrow\Z")
+_SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
 SHORT_S = 120.0
 MAX_MANIFEST_BYTES = 64 << 10
 MAX_LISTED = 20  # odd names reported one by one; beyond that, one line says how many more

@@ -59,7 +59,7 @@ MAX_TRANSFER_BYTES = 1 << 30
 TRANSFER_S = 600.0
 # The wrapper shell reports its pid (the remote process group, once timeout(1) leads it) on stderr.
 _PGID = "KDBENCH_PGID "
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 class Timeouts(BaseModel):

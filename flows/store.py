@@ -35,7 +35,7 @@ from pydantic import BaseModel
 
 from engine.schema import SCHEMAS, TABLES, SchemaError, check_run_tables, read_table, validate
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 INDEX = "runs/_index.jsonl"
 MANIFEST = "_manifest.json"
 

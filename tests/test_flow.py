@@ -32,7 +32,7 @@ from flows.store import Store
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
-HOSTS = ["pro6000", "f2", "f3", "f4", "revoked", "rotated", "stopped"]
+HOSTS = ["pro6000", "f2", "f3", "f4", "revoked", "rotated", "stopped", "nopy"]
 TIMES: dict[str, float] = {}
 
 
@@ -401,6 +401,30 @@ def test_stopped_host_is_released_after_n_unreachable_runs(world: dict, measured
     _ok(deployment_run(world, "bench/stopped"))
     host = load_host(world["hosts"], "stopped")
     assert (host.status, host.retired_reason, host.unreachable_runs) == ("retired", "released", 2)
+
+
+def test_a_python_without_torch_ends_the_run_with_a_clear_outcome(world: dict, served: Served,
+                                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    """COMPLETED, not measured, nothing uploaded or installed, not retired, not projected (the host is
+    reachable), and one message naming the file, the field, what was found and what has torch."""
+    from test_deploy import python_envs
+
+    bare, with_torch = python_envs(tmp_path_factory.mktemp("envs"))
+    update_host(world["hosts"], "nopy", python=str(bare))
+    res = deployment_run(world, "bench/nopy")
+    _ok(res)
+    summary = _artifact(world, "bench-nopy")
+    assert "python_lacks_torch" in summary and "not measured" in summary
+    assert "nopy.yaml: field 'python':" in summary and "no torch and no triton" in summary and str(with_torch) in summary
+    host = load_host(world["hosts"], "nopy")
+    assert host.status == "active" and host.last_seen is not None
+    assert Store(str(world["artifacts"])).runs("nopy") == []
+    work = Path(host.work_dir)
+    assert not (work / "payloads").exists() and not (work / "venv").exists()
+    logs = [r["message"] for r in _api(world["api"], "/logs/filter",
+                                       {"logs": {"flow_run_id": {"any_": [_flow_run(res.stdout)]}}, "limit": 200})]
+    assert not any("Traceback" in m for m in logs)
+    assert sum("field 'python'" in m for m in logs) == 1
 
 
 def test_process_worker_runs_the_same_deployments(world: dict, served: Served,

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
-from flows.inventory import load_host, load_inventory
+from flows.inventory import load_host, load_inventory, update_host
 
 REPO_HOSTS = Path(__file__).resolve().parents[1] / "hosts"
 
@@ -86,3 +88,28 @@ def test_check_selects_active_hosts_and_names(sandbox_factory) -> None:
     res = kd("hosts", "check", "sbx2", "--hosts", str(sb.hosts_dir))  # named: probed even when retired
     assert res.exit_code == 0 and "sbx2: ok" in res.output
     assert kd("hosts", "check", "ghost", "--hosts", str(sb.hosts_dir)).exit_code == 2
+
+
+def hostile_python(root: Path, gpu: str) -> Path:
+    """The controller's python, run with a fake nvidia-smi first on PATH that reports `gpu`."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir(parents=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nprintf '%s, 570.86\\033[2J, 9.0\\n' {shlex.quote(gpu)}\n")
+    py = bin_dir / "python"
+    py.write_text(f'#!/bin/sh\nPATH={shlex.quote(str(bin_dir))}:$PATH exec {shlex.quote(sys.executable)} "$@"\n')
+    for f in (smi, py):
+        f.chmod(0o755)
+    return py
+
+
+@pytest.mark.integration
+def test_check_prints_host_reported_strings_inert(sandbox_factory, tmp_path: Path) -> None:
+    sb = sandbox_factory(names=["odd"])
+    py = hostile_python(tmp_path, "[bold red]H100[/bold red] at 10.9.8.7 \x1b]0;owned\x07")
+    update_host(sb.hosts_dir, "odd", python=str(py), arch="sm_90", gpus=1, spec="h200-sxm")
+    res = kd("hosts", "check", "odd", "--hosts", str(sb.hosts_dir))
+    assert "odd: ok" in res.output, res.output
+    assert "[bold red]H100[/bold red] at [redacted]" in res.output       # markup shown as text, address redacted
+    assert "10.9.8.7" not in res.output and "\x1b" not in res.output and "\x07" not in res.output
+    assert "mismatch gpu: spec says H200, host has [bold red]H100" in " ".join(res.output.split())

@@ -169,3 +169,49 @@ def test_concurrent_writes_lose_nothing(inv_dir: Path) -> None:
     h = load_host(inv_dir, "box")
     assert (h.notes, h.unreachable_runs) == (f"w{n - 1}", n - 1)
     assert "# loopback only" in (inv_dir / "box.yaml").read_text()
+
+
+def _bomb(levels: int = 6, width: int = 6) -> str:
+    """A billion-laughs document: `levels` anchors, each `width` aliases of the one before."""
+    lines = ['a0: &a0 "lol"']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * width)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + f"\nnotes: *a{levels}\n"
+
+
+def test_yaml_alias_bomb_gives_a_short_message(inv_dir: Path) -> None:
+    text = BOX.replace("notes: keep me\n", "") + _bomb()
+    assert len(text.encode()) < 1024
+    (inv_dir / "box.yaml").write_text(text)
+    result = CliRunner().invoke(app, ["hosts", "list", "--hosts", str(inv_dir)])
+    assert result.exit_code == 2 and "box.yaml" in result.output
+    assert "anchors and aliases are not allowed" in " ".join(result.output.split())
+    assert len(result.output) < 500
+
+
+def test_long_bad_values_are_quoted_short(inv_dir: Path) -> None:
+    (inv_dir / "box.yaml").write_text(BOX.replace("notes: keep me", "notes: [" + ", ".join(["x" * 50] * 200) + "]"))
+    with pytest.raises(InventoryError, match="field 'notes'") as e:
+        load_inventory(inv_dir)
+    assert len(str(e.value)) < 400
+
+
+@pytest.mark.parametrize("field, value", [("work_dir", "-rf"), ("work_dir", "--help"), ("python", "-c"),
+                                          ("work_dir", '"kd\\nbench"')])
+def test_option_like_or_control_paths_are_refused(inv_dir: Path, field: str, value: str) -> None:
+    line = next(x for x in BOX.splitlines() if x.startswith(f"{field}:"))
+    (inv_dir / "box.yaml").write_text(BOX.replace(line, f"{field}: {value}"))
+    result = CliRunner().invoke(app, ["hosts", "list", "--hosts", str(inv_dir)])
+    assert result.exit_code == 2 and "box.yaml" in result.output and f"field '{field}'" in result.output
+
+
+def test_names_with_a_trailing_newline_are_refused(inv_dir: Path) -> None:
+    from flows.ssh import remote_command
+    from flows.store import StoreError, check_name
+
+    with pytest.raises(InventoryError, match="not a safe identifier"):
+        load_host(inv_dir, "box\n")
+    with pytest.raises(StoreError):
+        check_name("host", "box\n")
+    with pytest.raises(ValueError, match="bad environment variable name"):
+        remote_command(["true"], timeout_s=1, env={"PATH\n": "x"})
+    assert "cd -- -x &&" in remote_command(["true"], timeout_s=1, cwd="-x")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -10,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.schema import read_table
+from engine.schema import provenance, read_table, to_table, write_table
 from flows.inventory import Inventory, load_inventory, update_host
-from flows.notes import NotesError, commit_notes, gather, leaks, notes_message, render_notes, summary_lines
+from flows.notes import NotesError, commit_notes, gather, notes_message, render_notes, summary_lines
+from flows.scrub import leaks
 from flows.projection import project_host
 from flows.store import Store
 from test_projection_synth import write_run
@@ -181,3 +183,106 @@ def test_cli_errors_are_one_line_exit_2(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "bad.yaml" in res.output and "Traceback" not in res.output
     res = CliRunner().invoke(app, ["backtest", "--artifacts", str(tmp_path / "art"), "--hosts", str(REPO / "hosts")])
     assert res.exit_code == 0 and "no measured data" in res.output
+
+
+# -- hostile hosts --------------------------------------------------------------------------------
+
+def _rewrite(run_dir: Path, table: str, change) -> None:
+    """Rewrite one table of a written run, each row passed through change(row) -> row."""
+    t = read_table(run_dir / f"{table}.arrow")
+    write_table(run_dir, to_table(table, [change(dict(r)) for r in t.to_pylist()], provenance(t)))
+
+
+def _hostile_run(out: Path, host: str, run_id: str) -> Path:
+    """A run whose host sent markup, an address as its GPU name and a kernel name mathtext cannot parse."""
+    write_run(out, host=host, run_id=run_id, gpu="GPU-BOX.Lab.Internal")
+    _rewrite(out, "runs", lambda r: {**r, "driver": "570|<img src=x onerror=alert(1)>\n| injected |",
+                                     "cuda": "1.2.3.4", "torch": "10\u200b.20.30.40",
+                                     "python": "fe80::1ff:fe23:4567:890a", "device": "![x](http://evil.example/p.png)"})
+    _rewrite(out, "kernels", lambda r: r if r["kernel"] == "moe_w4a16" else
+             {**r, "kernel": r"$\frac{$" + r["kernel"], "impl": r["impl"] + "[a](https://evil.example)"})
+    _rewrite(out, "e2e", lambda r: {**r, "config": "k2\n# heading <b>x</b>"})
+    return out
+
+
+def _cells(line: str) -> int:
+    return len(re.findall(r"(?<!\\)\|", line))
+
+
+def test_one_hostile_host_cannot_break_or_block_the_fleet_notes(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    shutil.copytree(REPO / "hosts", hosts)
+    update_host(hosts, "h200", address="gpu-box.lab.internal", user="alice", key_file="/home/alice/.ssh/id_ed25519")
+    update_host(hosts, "b300", address="b300")  # a DNS alias equal to the host's own name
+    inv = load_inventory(hosts)
+    write_run(tmp_path / "art" / "reference" / "h200")
+    store = Store(str(tmp_path / "art"))
+    store.ingest("evil", "evil-1", _hostile_run(tmp_path / "pulled", "evil", "evil-1"))
+    render_notes(store, inv, tmp_path / "docs")
+    notes = tmp_path / "docs" / "notes"
+    page = (notes / "evil.md").read_text()
+    for bad in ("1.2.3.4", "fe80::", "gpu-box", "GPU-BOX", "\n# heading"):
+        assert bad not in page, bad
+    for markup in (r"(?<!\\)<(img|b)", r"(?<!\\)\]\(http", r"(?<!\\)!(?<!\\)\[x"):  # HTML, link, image
+        assert not re.search(markup, page), markup
+    assert "\\[redacted\\]" in page and "\\<img" in page                      # shown as text
+    for block in page.split("\n\n"):
+        rows = [line for line in block.splitlines() if line.startswith("|")]
+        assert len({_cells(r) for r in rows}) <= 1, block                       # no row gained a cell
+    assert {p.name for p in (notes / "evil").glob("*.png")} >= {"roofline.png", "amdahl.png"}
+    assert "b300" in (notes / "b300.md").read_text() and "b300" in (notes / "README.md").read_text()
+
+
+def test_a_reference_host_name_cannot_write_outside_docs(tmp_path: Path, inv: Inventory) -> None:
+    write_run(tmp_path / "art" / "reference" / "h200")
+    write_run(tmp_path / "art" / "reference" / "odd", host="../../escaped", run_id="odd-1")
+    store = Store(str(tmp_path / "art"))
+    written = render_notes(store, inv, tmp_path / "docs")
+    assert all(p.resolve().is_relative_to((tmp_path / "docs" / "notes").resolve()) for p in written)
+    assert not list(tmp_path.glob("escaped*")) and not list(tmp_path.glob("*/escaped*"))
+
+
+def _repo_with_inventory(tmp_path: Path) -> Path:
+    """A git repo whose committed hosts/ are the shipped files, committed by an operator."""
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "hosts", repo / "hosts", ignore=shutil.ignore_patterns(".locks"))
+    _git(repo, "init", "-q")
+    _git(repo, "-c", "user.name=op", "-c", "user.email=op@localhost", "add", "hosts")
+    _git(repo, "-c", "user.name=op", "-c", "user.email=op@localhost", "commit", "-q", "-m", "inventory")
+    return repo
+
+
+@pytest.mark.integration
+def test_notes_commit_records_only_the_status_fields_of_a_host_file(tmp_path: Path) -> None:
+    repo = _repo_with_inventory(tmp_path)
+    hosts = repo / "hosts"
+    update_host(hosts, "h200", **SECRETS)                                     # the operator's edit, never committed
+    (hosts / "newbox.yaml").write_text((hosts / "h200.yaml").read_text().replace("name: h200", "name: newbox"))
+    (repo / "other.txt").write_text("staged by the operator\n")
+    _git(repo, "add", "other.txt")
+    update_host(hosts, "h200", unreachable_runs=2)                            # what the flow writes back
+    inv = load_inventory(hosts)
+    write_run(repo / "artifacts" / "reference" / "h200")
+    store = Store(str(repo / "artifacts"))
+    paths = render_notes(store, inv, repo / "docs")
+    sha = commit_notes(repo, [*paths, hosts / "h200.yaml", hosts / "newbox.yaml"], notes_message(store, inv), inv)
+    assert sha
+    committed = _git(repo, "show", f"{sha}:hosts/h200.yaml")
+    assert "unreachable_runs: 2" in committed and "address: REPLACE-ME.example" in committed
+    assert "# placeholder: refused before any network activity until edited" in committed  # comments kept
+    assert set(_git(repo, "show", "--name-only", "--format=", sha).split()) - {p for p in
+            _git(repo, "show", "--name-only", "--format=", sha).split() if p.startswith("docs/notes/")} \
+        == {"hosts/h200.yaml"}                                                # not the untracked newbox.yaml
+    history = _git(repo, "log", "-p", "--all")
+    assert not any(v in history for v in SECRETS.values())
+    assert SECRETS["address"] in (hosts / "h200.yaml").read_text()            # the working file is untouched
+    status = _git(repo, "status", "--porcelain").splitlines()
+    assert " M hosts/h200.yaml" in status and "A  other.txt" in status and "?? hosts/newbox.yaml" in status
+    # every staged file goes through the leak check: a status value and a page that would leak
+    update_host(hosts, "h200", presented_host_key_fingerprint="seen from 10.9.8.7")
+    with pytest.raises(NotesError, match=r"hosts/h200\.yaml: it would reveal an IPv4 address"):
+        commit_notes(repo, [hosts / "h200.yaml"], "x", inv)
+    (repo / "docs" / "notes" / "extra.md").write_text("from gpu at 10.9.8.7\n")
+    with pytest.raises(NotesError, match=r"docs/notes/extra\.md: it would reveal an IPv4 address"):
+        commit_notes(repo, [repo / "docs" / "notes" / "extra.md"], "x", inv)
+    assert _git(repo, "rev-parse", "HEAD").strip() == sha
