@@ -22,6 +22,10 @@ Above that (path="grouped", the default there) the same split-K kernel takes its
 tiled path's GPU alignment instead (any slot count; BM slots of one expert, so each weight tile is
 dequantized once per block), with fp32 partials and the same two combine kernels: on the H200 about
 2x the tiled path at M = 32..1024 (NOTES.md, run 5), and ahead of the split path from M = 8 (run 8).
+Above M = 32 it runs plane dots on the tensor cores (the dequantized words as the MMA's register
+operand, activations plane-major so their loads are pipelined; NOTES.md v7). Configs are chosen per
+M and per shape class (full experts, or one TP rank's shard). No atomics: every path gives
+bit-identical outputs run to run.
 """
 
 from __future__ import annotations
@@ -87,6 +91,24 @@ fma.rn.bf16x2 acc, d, ${2 + p}, acc;
 """ for p in range(4)) + "mov.b32 $0, acc;\n}")
 
 
+# two words a, b (K-adjacent in the MMA operand) + their bf16 scales (one register) -> plane j (j = 0..7)
+# as one bf16x2 register (nibble j of a, nibble j of b): prmt takes byte j // 2 of each word (shifted
+# by 4 for odd j), one lop3 does (d & 0xF) ^ 8 | 0x4300 = bf16 128 + q + 8, then FMA -136 and FMA by
+# the scales: 34 instructions for 16 weights, and no repacking for the MMA's register operand.
+_ASM_W4_PAIR = tl.constexpr("""{
+.reg .b32 ua, ub, d, one, m136, nz;
+mov.b32 one, 0x3F803F80;
+mov.b32 m136, 0xC308C308;
+mov.b32 nz, 0x80008000;
+shr.u32 ua, $8, 4;
+shr.u32 ub, $9, 4;
+""" + "".join(f"""prmt.b32 d, {"$8" if j % 2 == 0 else "ua"}, {"$9" if j % 2 == 0 else "ub"}, {hex((j // 2) * 0x11 + (4 + j // 2) * 0x1100)};
+lop3.b32 d, d, 0x000F000F, 0x43084308, 0x6A;
+fma.rn.bf16x2 d, d, one, m136;
+fma.rn.bf16x2 ${j}, d, $10, nz;
+""" for j in range(8)) + "}")
+
+
 @triton.jit
 def _nibble(words, j: tl.constexpr):
     """Element j of each word as fp32 without an int-to-float conversion: (q ^ 8) sits under the
@@ -116,6 +138,19 @@ def _planes(words, scales, dtype: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _planes_pair(words, scales, dtype: tl.constexpr, ASM: tl.constexpr):
+    """_planes with the pair-packed PTX dequant (bf16 on the GPU); the fp32 planes elsewhere."""
+    if ASM:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _ASM_W4_PAIR, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, scales.to(tl.bfloat16)],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                   tl.bfloat16), is_pure=True, pack=2)
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _planes(words, scales, dtype, False)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
 def _dequant(words, scales, dtype: tl.constexpr, ASM: tl.constexpr):
     """[BN, BK//8] int32 words + per-word scales -> [BN, BK] weights: the planes interleaved in registers."""
     v0, v1, v2, v3, v4, v5, v6, v7 = _planes(words, scales, dtype, ASM)
@@ -125,18 +160,25 @@ def _dequant(words, scales, dtype: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _load_planes(ap, k0, xm):
-    """The eight stride-8 activation columns k0 + j (j = 0..7) that the plane dots pair with."""
-    return (tl.load(ap + k0 + 0, mask=xm, other=0.0), tl.load(ap + k0 + 1, mask=xm, other=0.0),
-            tl.load(ap + k0 + 2, mask=xm, other=0.0), tl.load(ap + k0 + 3, mask=xm, other=0.0),
-            tl.load(ap + k0 + 4, mask=xm, other=0.0), tl.load(ap + k0 + 5, mask=xm, other=0.0),
-            tl.load(ap + k0 + 6, mask=xm, other=0.0), tl.load(ap + k0 + 7, mask=xm, other=0.0))
+def _load_planes(ap, k0, xm, STRIDE: tl.constexpr = 1):
+    """The eight activation planes j = 0..7 (elements 8w + j of the step) that the plane dots pair
+    with, plane j at ap + k0 + j * STRIDE: stride-8 columns of a plain row (STRIDE 1, ap = 8w), or
+    contiguous runs of a plane-major row (STRIDE = BK / 8, ap = w: see _plane_major)."""
+    return (tl.load(ap + k0 + 0 * STRIDE, mask=xm, other=0.0), tl.load(ap + k0 + 1 * STRIDE, mask=xm, other=0.0),
+            tl.load(ap + k0 + 2 * STRIDE, mask=xm, other=0.0), tl.load(ap + k0 + 3 * STRIDE, mask=xm, other=0.0),
+            tl.load(ap + k0 + 4 * STRIDE, mask=xm, other=0.0), tl.load(ap + k0 + 5 * STRIDE, mask=xm, other=0.0),
+            tl.load(ap + k0 + 6 * STRIDE, mask=xm, other=0.0), tl.load(ap + k0 + 7 * STRIDE, mask=xm, other=0.0))
 
 
 @triton.jit
-def _plane_dots(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, acc, dtype: tl.constexpr, ASM: tl.constexpr):
-    """acc += W . x with K permuted plane-major: sum_j plane_j . x[8w + j]; no interleave needed."""
-    v0, v1, v2, v3, v4, v5, v6, v7 = _planes(words, scales, dtype, ASM)
+def _plane_dots(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, acc, dtype: tl.constexpr, ASM: tl.constexpr,
+                PAIR: tl.constexpr = False):
+    """acc += W . x with K permuted plane-major: sum_j plane_j . x[8w + j]; no interleave needed.
+    PAIR: the planes from the pair-packed PTX dequant (_planes_pair)."""
+    if PAIR:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _planes_pair(words, scales, dtype, ASM)
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _planes(words, scales, dtype, ASM)
     acc = tl.dot(v0, x0, acc)
     acc = tl.dot(v1, x1, acc)
     acc = tl.dot(v2, x2, acc)
@@ -287,9 +329,9 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
     tw = topk_weights.reshape(-1).float().contiguous()
     path = path or ("split" if m * topk <= SPLIT_MAX_SLOTS else "grouped")
     if path == "split":
-        return _moe_split(x, w13_q, w13_s, w2_q, w2_s, topk_ids, tw, configs or split_config(m), False)
+        return _moe_split(x, w13_q, w13_s, w2_q, w2_s, topk_ids, tw, configs or split_config(m, inter), False)
     if path == "grouped":
-        return _moe_split(x, w13_q, w13_s, w2_q, w2_s, topk_ids, tw, configs or grouped_config(m), True)
+        return _moe_split(x, w13_q, w13_s, w2_q, w2_s, topk_ids, tw, configs or grouped_config(m, inter), True)
     if path != "tiled":
         raise ValueError(f"moe_w4a16: unknown path {path!r}")
     cfg = configs or CONFIGS[regime(m, topk, e)]
@@ -313,36 +355,59 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
 #   DOT 8 (+ 4): the same with packed bf16x2 FMAs in PTX (bf16 on the GPU; plain FMA elsewhere).
 # DOT 1: plane dots on the MMA units, slots padded to 16; DOT 2: dequantize + interleave to [BN, BK]
 #   and one tl.dot against contiguous activations; + 4 (DOT 5 / 6): words and scales loaded one step
-#   ahead into registers (double-buffered).
+#   ahead into registers (double-buffered). Plane dots only: + 16 the activations plane-major
+#   (_plane_major: each plane a contiguous run, so the pipeliner copies them asynchronously instead
+#   of 2-byte strided loads in the loop), + 32 the pair-packed PTX dequant (two K-adjacent words a
+#   call, each plane straight into the bf16x2 register of the MMA operand), + 64 a scale per word
+#   loaded as such (no broadcast reshape).
 SplitConfig = tuple[int, int, int, int, int, int, int]
 SPLIT_MAX_SLOTS = 32  # M * top-k up to this goes split-K (M <= 4 at K2's top-8)
-# H200 sweeps (NOTES.md, runs 4, 6-8): packed bf16x2 FMAs (+ the next step's loads in flight at M = 1).
-SPLIT_CONFIGS: dict[int, dict[str, SplitConfig]] = {
-    1: {"gate_up": (1, 64, 256, 7168, 4, 3, 12), "down": (1, 64, 256, 7168, 4, 3, 12)},
-    4: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)},
+SHARD_INTER = 1024  # experts with a smaller intermediate (K2 at TP >= 2) take the "shard" tables
+
+
+def shape_class(inter: int) -> str:
+    """Config table of an expert shape: "full" (K2: 2048) or "shard" (a TP rank's slice, 256 at TP-8)."""
+    return "full" if inter >= SHARD_INTER else "shard"
+
+
+# By shape class, then the largest M of the bucket (M above the last bucket takes the last).
+# H200 sweeps (NOTES.md, runs 4, 6-8, 11): packed bf16x2 FMAs (+ the next step's loads in flight at
+# M = 1); at the shard, short K chunks (KS 1024: 7 gate_up splits) so that M = 1 has enough programs.
+SPLIT_CONFIGS: dict[str, dict[int, dict[str, SplitConfig]]] = {
+    "full": {1: {"gate_up": (1, 64, 256, 7168, 4, 3, 12), "down": (1, 64, 256, 7168, 4, 3, 12)},
+             4: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)}},
+    "shard": {2: {"gate_up": (1, 64, 256, 1024, 4, 3, 12), "down": (1, 64, 256, 1024, 4, 3, 12)},
+              4: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)}},
 }
 
 
-def split_config(m: int) -> dict[str, SplitConfig]:
-    """The config of the smallest M bucket that holds m."""
-    return SPLIT_CONFIGS[min((b for b in SPLIT_CONFIGS if b >= m), default=max(SPLIT_CONFIGS))]
+def _bucket(table: dict[int, dict[str, SplitConfig]], m: int) -> dict[str, SplitConfig]:
+    return table[min((b for b in table if b >= m), default=max(table))]
+
+
+def split_config(m: int, inter: int) -> dict[str, SplitConfig]:
+    """The split-K config of the smallest M bucket that holds m, for experts of intermediate `inter`."""
+    return _bucket(SPLIT_CONFIGS[shape_class(inter)], m)
 
 
 # Grouped split-K (above SPLIT_MAX_SLOTS): the same kernel with its blocks from align() (BM slots of
-# one expert, so each weight tile is dequantized once per block), by the largest M of the bucket;
-# M above the last bucket takes the last. H200 sweeps (NOTES.md, runs 5 and 8): the fastest verified
-# config at M = 8, 16, 32 (the packed FMA at 32 is carried over from 16, where it beat run 5's FMA
-# pick by 20 %), 64, 128, 256, 512, 1024 (KS 7168 = all of K: no K split won at these sizes).
-GROUPED_CONFIGS: dict[int, dict[str, SplitConfig]] = {
-    32: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)},
-    512: {"gate_up": (16, 128, 128, 7168, 4, 3, 1), "down": (16, 128, 128, 7168, 4, 3, 1)},
-    1024: {"gate_up": (32, 128, 128, 7168, 4, 3, 2), "down": (32, 128, 128, 7168, 4, 3, 2)},
+# one expert, so each weight tile is dequantized once per block). H200 sweeps (NOTES.md, runs 5, 8,
+# 11): the packed FMA up to M = 32; above, the plane dots on tensor cores (DOT 49: plane-major
+# activations, pair-packed dequant; KS = all of K), BM 32 once most experts hold > 16 slots.
+GROUPED_CONFIGS: dict[str, dict[int, dict[str, SplitConfig]]] = {
+    "full": {32: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)},
+             256: {"gate_up": (16, 64, 256, 7168, 4, 3, 49), "down": (16, 64, 256, 7168, 4, 3, 49)},
+             512: {"gate_up": (16, 64, 256, 7168, 2, 3, 49), "down": (16, 64, 256, 7168, 2, 3, 49)},
+             1024: {"gate_up": (32, 128, 128, 7168, 4, 3, 49), "down": (32, 128, 128, 7168, 4, 3, 49)}},
+    "shard": {32: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)},
+              512: {"gate_up": (16, 64, 256, 7168, 4, 3, 49), "down": (16, 64, 256, 7168, 4, 3, 49)},
+              1024: {"gate_up": (32, 64, 256, 7168, 4, 3, 49), "down": (32, 64, 256, 7168, 4, 3, 49)}},
 }
 
 
-def grouped_config(m: int) -> dict[str, SplitConfig]:
-    """The grouped config of the smallest M bucket that holds m."""
-    return GROUPED_CONFIGS[min((b for b in GROUPED_CONFIGS if b >= m), default=max(GROUPED_CONFIGS))]
+def grouped_config(m: int, inter: int) -> dict[str, SplitConfig]:
+    """The grouped config of the smallest M bucket that holds m, for experts of intermediate `inter`."""
+    return _bucket(GROUPED_CONFIGS[shape_class(inter)], m)
 
 
 @triton.jit
@@ -453,11 +518,16 @@ def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_row
         kbeg = split * KS
         wrow = e.to(tl.int64) * N + rn
         wq = wq_ptr + wrow[:, None] * (K // 8) + kbeg // 8 + rw[None, :]
-        ws = ws_ptr + wrow[:, None] * (K // 32) + kbeg // 32 + tl.arange(0, G)[None, :]
+        if DOT & 64:  # a scale per word, loaded so (4 equal addresses a group): no broadcast reshape
+            ws = ws_ptr + wrow[:, None] * (K // 32) + kbeg // 32 + rw[None, :] // 4
+        else:
+            ws = ws_ptr + wrow[:, None] * (K // 32) + kbeg // 32 + tl.arange(0, G)[None, :]
         if DOT & 3:
             arow = (slot // a_rows_per_slot).to(tl.int64)
             if (DOT & 3) == 2:
                 ap = a_ptr + arow[None, :] * K + kbeg + tl.arange(0, BK)[:, None]  # [BK, BM]
+            elif DOT & 16:
+                ap = a_ptr + arow[None, :] * K + kbeg + rw[:, None]  # [W, BM], plane-major rows: plane j = ap + j W
             else:
                 ap = a_ptr + arow[None, :] * K + kbeg + 8 * rw[:, None]  # [W, BM]: plane j = ap + j
             xm = valid[None, :]
@@ -475,14 +545,17 @@ def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_row
                 else:
                     words = tl.load(wq + k0 // 8)
                     sc = tl.load(ws + k0 // 32)
-                sw = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, G, 4)), (BN, W))
+                if DOT & 64:
+                    sw = sc
+                else:
+                    sw = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, G, 4)), (BN, W))
                 if (DOT & 3) == 2:
                     w = _dequant(words, sw, a_ptr.dtype.element_ty, ASM)
                     acc = tl.dot(w, tl.load(ap + k0, mask=xm, other=0.0), acc)
                 else:
-                    x0, x1, x2, x3, x4, x5, x6, x7 = _load_planes(ap, k0, xm)
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _load_planes(ap, k0, xm, W if DOT & 16 else 1)
                     acc = _plane_dots(words, sw, x0, x1, x2, x3, x4, x5, x6, x7, acc, a_ptr.dtype.element_ty,
-                                      ASM)
+                                      ASM, (DOT & 32) != 0)
         else:
             tl.static_assert(BM == 1)
             arow = (tl.sum(slot, axis=0) // a_rows_per_slot).to(tl.int64)
@@ -524,9 +597,11 @@ def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_row
 
 
 @triton.jit
-def _silu_mul(part_ptr, h_ptr, S, I, SPLITS: tl.constexpr, PERM: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul(part_ptr, h_ptr, S, I, SPLITS: tl.constexpr, PERM: tl.constexpr, PLANES: tl.constexpr,
+              BLOCK: tl.constexpr):
     """h[slot, c] = silu(gate) * up, gate / up = the gate_up partials summed over the K splits.
-    PERM > 0 writes h in _permute's order for that BK (the FMA down pass reads it so)."""
+    PERM > 0 writes h in _permute's order for that BK (the FMA down pass reads it so); PLANES > 0 in
+    _plane_major's order for that BK (the plane-major dot down pass)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < S * I
     row = offs // I
@@ -541,6 +616,9 @@ def _silu_mul(part_ptr, h_ptr, S, I, SPLITS: tl.constexpr, PERM: tl.constexpr, B
     if PERM:
         r = col % PERM  # element 8w + 2p + lo of the chunk -> pair-plane p, word w, half lo
         col = col - r + (r % 8 // 2) * (PERM // 4) + (r // 8) * 2 + r % 2
+    if PLANES:
+        r = col % PLANES  # element 8w + j of the chunk -> plane j, position w
+        col = col - r + (r % 8) * (PLANES // 8) + r // 8
     tl.store(h_ptr + row * I + col, h.to(h_ptr.dtype.element_ty), mask=live)
 
 
@@ -566,13 +644,20 @@ def _plan(cfg: SplitConfig, n: int, k: int, on_gpu: bool, bf16_gpu: bool) -> Spl
         ks //= 2
     bk = min(bk, ks)
     if (dot & 3) == 1 and bk < 128 and on_gpu:
-        dot += 1  # plane dots need K >= 16 per plane on the GPU: one interleaved dot instead
+        dot = (dot & ~(16 | 32)) + 1  # plane dots need K >= 16 per plane on the GPU: one interleaved dot instead
     bm = max(bm, 16) if dot & 3 else 1  # tl.dot needs 16 columns (padding slots masked); FMA: one slot
     if dot & 8 and (dot & 3 or not bf16_gpu):
         dot -= 8  # the packed bf16x2 FMA is an FMA-path, bf16, PTX-only variant
     if n % bn or k % ks or ks % bk or bk % 32:
         raise ValueError(f"moe_w4a16: N={n}, K={k} do not tile by BN={bn}, KS={ks}, BK={bk}")
     return bm, bn, bk, ks, warps, stages, dot
+
+
+def _plane_major(a: Tensor, bk: int) -> Tensor:
+    """Activation rows with each BK chunk plane-major: position j * BK/8 + w holds element 8w + j, so
+    each plane dot's operand is a contiguous run (loads the pipeliner can copy asynchronously)."""
+    m, k = a.shape
+    return a.view(m, k // bk, bk // 8, 8).transpose(2, 3).contiguous().view(m, k)
 
 
 def _permute(a: Tensor, bk: int) -> Tensor:
@@ -614,12 +699,14 @@ def _moe_split(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tens
     e = w13_q.shape[0]
     gu_al = align(topk_ids, e, gu_plan[0]) if aligned else None
     dn_al = (gu_al if dn_plan[0] == gu_plan[0] else align(topk_ids, e, dn_plan[0])) if aligned else None
-    a = x if gu_plan[6] & 3 else _permute(x, gu_plan[2])
+    a = (_plane_major(x, gu_plan[2]) if gu_plan[6] & 16 else x) if gu_plan[6] & 3 else _permute(x, gu_plan[2])
     gu = _split_launch(a, ids, w13_q, w13_s, tw, 2 * inter, h, topk, False, gu_plan, bf16, gu_al)
     hbuf = torch.empty(s, inter, dtype=x.dtype, device=x.device)
     block = 1024
     _silu_mul[(triton.cdiv(s * inter, block),)](gu, hbuf, s, inter, SPLITS=gu.shape[0],
-                                               PERM=0 if dn_plan[6] & 3 else dn_plan[2], BLOCK=block)
+                                               PERM=0 if dn_plan[6] & 3 else dn_plan[2],
+                                               PLANES=dn_plan[2] if dn_plan[6] & 16 and dn_plan[6] & 3 else 0,
+                                               BLOCK=block)
     a = hbuf if dn_plan[6] & 3 else hbuf.view(torch.int32)
     dn = _split_launch(a, ids, w2_q, w2_s, tw, h, inter, 1, True, dn_plan, bf16, dn_al)
     out = torch.empty(m, h, dtype=x.dtype, device=x.device)

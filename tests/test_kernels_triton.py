@@ -105,6 +105,16 @@ def test_moe_grouped_matches_reference(m: int, gu: tuple, dn: tuple) -> None:
 
 
 @inner
+@pytest.mark.parametrize("m,gu,dn", [(40, (16, 32, 64, 128, 4, 1, 49), (16, 32, 64, 64, 4, 1, 113)),
+                                     (19, (32, 32, 128, 256, 4, 1, 17), (16, 64, 64, 128, 4, 1, 53))])
+def test_moe_plane_major_matches_reference(m: int, gu: tuple, dn: tuple) -> None:
+    """The tensor-core path: plane dots on plane-major activations (DOT + 16: x permuted by
+    _plane_major, h written so by _silu_mul's PLANES), the pair dequant bit (+ 32; the fp32 planes
+    here), per-word scale loads (+ 64), register double-buffer (+ 4), K splits, BM 16 / 32."""
+    _check_moe(m, 8, 340 + m, {"gate_up": gu, "down": dn}, path="grouped")
+
+
+@inner
 def test_moe_alignment_blocks() -> None:
     from kernels.moe_gemm import align
 
