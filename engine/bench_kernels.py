@@ -25,6 +25,7 @@ class KernelProfile:
     cfg: ModelConfig
     moe_m: tuple[int, ...]
     moe_torch_m: tuple[int, ...]  # where the torch reference is timed too
+    moe_tp_m: tuple[int, ...]  # M of the TP-8 shard sweep (each expert's intermediate / 8): rows with tp 8
     attn: tuple[tuple[int, int, int], ...]  # (batch, budget, context)
     attn_torch: tuple[tuple[int, int, int], ...]
     tree: tuple[tuple[int, int], ...]  # (batch, budget)
@@ -34,19 +35,19 @@ class KernelProfile:
 
 PROFILES: dict[tuple[str, str], KernelProfile] = {
     ("cuda", "full"): KernelProfile(
-        K2, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), (1, 32),
+        K2, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), (1, 32), (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
         tuple((b, n, c) for b in (1, 8) for n in (16, 64, 256, 1024) for c in (1024, 8192, 32768, 65536)),
         ((1, 64, 8192), (8, 64, 8192), (1, 256, 8192)),
         tuple((b, n) for b in (1, 16) for n in (16, 64, 256, 1024)), repeats=50, torch_repeats=5),
     ("cuda", "smoke"): KernelProfile(
-        K2, (1, 16, 128), (16,), ((1, 16, 4096), (1, 256, 4096)), ((1, 64, 4096),),
+        K2, (1, 16, 128), (16,), (1, 128), ((1, 16, 4096), (1, 256, 4096)), ((1, 64, 4096),),
         ((1, 64), (16, 256)), repeats=10, torch_repeats=3),
     ("cpu", "full"): KernelProfile(
-        K2_MINI, (1, 2, 4, 8, 16, 32, 64, 128), (),
+        K2_MINI, (1, 2, 4, 8, 16, 32, 64, 128), (), (),
         tuple((b, n, c) for b in (1, 4) for n in (16, 64, 256) for c in (256, 1024)), (),
         tuple((b, n) for b in (1, 8) for n in (16, 64, 256)), repeats=10, torch_repeats=3),
     ("cpu", "smoke"): KernelProfile(
-        K2_MINI, (1, 8, 32), (), ((1, 16, 128), (2, 64, 256)), (), ((1, 16), (4, 64)),
+        K2_MINI, (1, 8, 32), (), (), ((1, 16, 128), (2, 64, 256)), (), ((1, 16), (4, 64)),
         repeats=5, torch_repeats=3),
 }
 
@@ -77,7 +78,7 @@ class KernelBench:
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.ini = Init(seed, device, self.dtype)
         self.gen = torch.Generator(device=device).manual_seed(seed + 1)
-        self._moe: tuple[torch.Tensor, ...] | None = None
+        self._moe: tuple[int, tuple[torch.Tensor, ...]] | None = None
 
     def reseed(self) -> None:
         """Restart the input generators, so two impls can be given identical inputs."""
@@ -92,6 +93,8 @@ class KernelBench:
             pts.append((f"moe_w4a16 M={m}", lambda m=m: self.moe(m, "auto")))
             if m in p.moe_torch_m:
                 pts.append((f"moe_w4a16 M={m} torch", lambda m=m: self.moe(m, "torch")))
+        for m in p.moe_tp_m:
+            pts.append((f"moe_w4a16 M={m} tp=8", lambda m=m: self.moe(m, "auto", tp=8)))
         for b, n, c in p.attn:
             pts.append((f"mla_tree_attention Bt={b} B={n} ctx={c}",
                         lambda b=b, n=n, c=c: self.attention(b, n, c, "auto")))
@@ -105,13 +108,16 @@ class KernelBench:
         return pts
 
     # ------------------------------------------------------------------ MoE
-    def moe_weights(self) -> tuple[torch.Tensor, ...]:
-        if self._moe is None:
+    def moe_weights(self, tp: int = 1) -> tuple[torch.Tensor, ...]:
+        """The routed experts at full shape (tp 1), or one rank's shard of them (intermediate / tp);
+        one weight set at a time is kept (the shard sweep runs after the full one)."""
+        if self._moe is None or self._moe[0] != tp:
             c = self.p.cfg
-            w13 = self.ini.int4(c.experts, 2 * c.moe_inter, c.hidden)
-            w2 = self.ini.int4(c.experts, c.hidden, c.moe_inter)
-            self._moe = (*w13, *w2)
-        return self._moe
+            self._moe = None
+            w13 = self.ini.int4(c.experts, 2 * c.moe_inter // tp, c.hidden)
+            w2 = self.ini.int4(c.experts, c.hidden, c.moe_inter // tp)
+            self._moe = (tp, (*w13, *w2))
+        return self._moe[1]
 
     def moe_inputs(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [M, H] and a random top-k routing (ids, weights) over all experts."""
@@ -121,20 +127,20 @@ class KernelBench:
         tw, ids = scores.topk(c.top_k, dim=-1)
         return x, ids, (tw / tw.sum(-1, keepdim=True)).float()
 
-    def moe(self, m: int, impl: str) -> Row:
+    def moe(self, m: int, impl: str, tp: int = 1) -> Row:
         c = self.p.cfg
-        w = self.moe_weights()
+        w = self.moe_weights(tp)
         x, ids, tw = self.moe_inputs(m)
         reps = self.p.repeats if impl == "auto" else self.p.torch_repeats
         t = time_op(lambda: ops.moe_w4a16(x, *w, ids, tw, impl=impl), self.dev, reps)
-        h, i, e, k = c.hidden, c.moe_inter, c.experts, c.top_k
+        h, i, e, k = c.hidden, c.moe_inter // tp, c.experts, c.top_k
         unique = int(ids.unique().numel())
         per_expert = 3 * h * i / 2 + 3 * h * i / 32 * 2  # int4 codes + bf16 scales
         act = x.element_size()
         nbytes = unique * per_expert + 2 * m * h * act + m * k * (8 + 4)
         return {"kernel": "moe_w4a16", "impl": resolved_impl(impl, "moe_gemm", self.dev),
                 "dtype": str(self.dtype).removeprefix("torch."), "device": self.dev.type,
-                "M": m, "N": 2 * i, "K": h, "E": e, "top_k": k, "unique_experts": unique,
+                "M": m, "N": 2 * i, "K": h, "E": e, "top_k": k, "tp": tp, "unique_experts": unique,
                 "expected_experts": expected_experts(e, k, m),
                 **_timing_cols(t, nbytes, 2 * m * k * 3 * h * i)}
 

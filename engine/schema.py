@@ -51,6 +51,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         _f("run_id", _s, False), _f("kernel", _s, False), _f("impl", _s, False),
         _f("dtype", _s, False), _f("device", _s, False),
         _f("M", _i), _f("N", _i), _f("K", _i), _f("E", _i), _f("top_k", _i),
+        _f("tp", _i),  # MoE rows: 1 for full shapes, N for one rank's TP-N shard shapes
         _f("unique_experts", _i), _f("expected_experts", _d),
         _f("budget", _i), _f("context", _i), _f("batch", _i),
         _f("time_us_p10", _d), _f("time_us_p50", _d, False), _f("time_us_p90", _d),

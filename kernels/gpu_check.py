@@ -29,7 +29,6 @@ from kernels.reference import Tree
 
 E, H, I, TOPK = 384, 7168, 2048, 8
 HEADS, DL, DR = 64, 512, 64
-EXPERT_BYTES = 3 * H * I // 2 + 3 * H * I // 32 * 2  # packed nibbles + bf16 scales
 
 
 class Log:
@@ -107,297 +106,145 @@ def ceilings(log: Log) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- MoE
 
 
-def moe_weights() -> tuple[torch.Tensor, ...]:
-    """Random packed words (every nibble value, -8 included) and positive bf16 scales."""
-    g = torch.Generator(device="cuda").manual_seed(int(time.time()))
-    w13_q = torch.randint(-2**31, 2**31 - 1, (E, 2 * I, H // 8), device="cuda", dtype=torch.int32, generator=g)
-    w2_q = torch.randint(-2**31, 2**31 - 1, (E, H, I // 8), device="cuda", dtype=torch.int32, generator=g)
-    w13_s = (torch.rand(E, 2 * I, H // 32, device="cuda", generator=g) * 2e-3 + 1e-3).to(torch.bfloat16)
-    w2_s = (torch.rand(E, H, I // 32, device="cuda", generator=g) * 2e-3 + 1e-3).to(torch.bfloat16)
-    return w13_q, w13_s, w2_q, w2_s
-
-
 def routing(m: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.rand(m, E, device="cuda").topk(TOPK, -1).indices
     wts = torch.softmax(torch.randn(m, TOPK, device="cuda"), -1)
     return ids, wts
 
 
-def moe_section(log: Log, bw: float, tf: float) -> None:
-    w = moe_weights()
-    poisoned(moe_gemm)
-    for m in (1, 5, 16, 130, 1025):
-        x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
-        ids, wts = routing(m)
-        out = moe_gemm.moe_w4a16(x, *w, ids, wts)
-        ref = reference.moe_w4a16(x, *w, ids, wts)
-        log(section="moe_check", m=m, rel_err=rel_err(out, ref), ok=rel_err(out, ref) < 1e-2)
-    unpoisoned(moe_gemm)
-    sweep = {  # regime -> (representative M, candidates); the best verified one serves its regime
-        "decode": (8, [(16, 64, 128, 4, 4, 1, 1), (16, 64, 256, 4, 4, 4, 1), (16, 64, 256, 4, 4, 1, 1),
-                       (16, 32, 256, 4, 4, 4, 1), (16, 64, 256, 4, 4, 4, 0), (16, 32, 256, 4, 4, 4, 0), (16, 64, 128, 4, 4, 4, 0),
-                       (16, 128, 128, 4, 4, 4, 0), (16, 64, 256, 4, 4, 2, 0), (16, 64, 128, 4, 4, 1, 0),
-                       (16, 64, 256, 4, 4, 3, 0), (16, 32, 512, 4, 3, 4, 0), (16, 64, 256, 8, 4, 4, 0),
-                       (16, 32, 256, 2, 4, 4, 0)]),
-        "mid": (512, [(32, 128, 128, 4, 3, 4, 1), (32, 64, 256, 4, 4, 4, 1), (32, 64, 256, 4, 4, 4, 0), (32, 128, 128, 4, 3, 4, 0), (32, 64, 128, 4, 4, 4, 0),
-                      (16, 64, 256, 4, 4, 4, 0)]),
-        "large": (1025, [(32, 64, 256, 4, 4, 4, 1), (64, 128, 128, 8, 3, 4, 1), (64, 128, 128, 8, 3, 4, 0), (64, 64, 256, 4, 3, 4, 0), (64, 128, 256, 8, 3, 4, 0),
-                         (128, 128, 128, 8, 3, 4, 0), (64, 64, 128, 4, 4, 2, 0), (32, 64, 256, 4, 4, 4, 0)]),
-    }
-    chosen = {}
-    for reg, (m, cands) in sweep.items():
-        x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
-        ids, wts = routing(m)
-        ref = reference.moe_w4a16(x, *w, ids, wts)
-        for c in cands:
-            if log.time_left() < 150:
-                break
-            cfg = {"gate_up": c, "down": c}
-            try:
-                err = rel_err(moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg, path="tiled"), ref)
-                if not err < 1e-2:
-                    log(section="moe_sweep", m=m, cfg=str(c), rel_err=err, error="wrong result")
-                    continue
-                us = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg, path="tiled"))
-            except Exception as exc:  # a config that does not compile is a data point, not a crash
-                log(section="moe_sweep", m=m, cfg=str(c), error=repr(exc)[-300:])
-                continue
-            log(section="moe_sweep", m=m, regime=reg, cfg=str(c), us=us, rel_err=err)
-            if reg not in chosen or us < chosen[reg][1]:
-                chosen[reg] = (c, us)
-    log(section="moe_chosen", chosen={k: v[0] for k, v in chosen.items()})
-    for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1025):
-        if log.time_left() < 60:
-            log(section="moe_time", skipped=m)
-            break
-        x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
-        ids, wts = routing(m)
-        uniq = int(torch.unique(ids).numel())
-        expected = E * (1 - (1 - TOPK / E) ** m)
-        nbytes = uniq * EXPERT_BYTES + 2 * m * H * 2
-        flops = 2 * m * TOPK * 3 * H * I
-        floor_us = max(nbytes / bw, flops / tf) * 1e6
-        reg = moe_gemm.regime(m, TOPK, E)
-        c = chosen[reg][0] if reg in chosen else moe_gemm.CONFIGS[reg]["gate_up"]
-        cfg = None if m * TOPK <= moe_gemm.SPLIT_MAX_SLOTS else {"gate_up": c, "down": c}  # decode: split-K
-        path = None if cfg is None else "tiled"
-        us = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg, path=path))
-        eager = bench(lambda: moe_gemm.moe_w4a16(x, *w, ids, wts, configs=cfg, path=path), graph=False)
-        log(section="moe_time", m=m, cfg=str(c), us=us, eager_us=eager, unique=uniq, expected_unique=expected,
-            bytes=nbytes, floor_us=floor_us, pct_bw=100 * nbytes / bw / (us * 1e-6), per_token_us=us / m,
-            tflops=flops / (us * 1e-6) / 1e12)
-        if m in (1, 16):
-            us_ref = bench(lambda: reference.moe_w4a16(x, *w, ids, wts), graph=False)
-            log(section="moe_ref", m=m, us=us_ref)
-    del w
+# ----------------------------------------------------------------------------- MoE on tensor cores, full and TP shard
 
-
-# ----------------------------------------------------------------------------- MoE decode (split-K)
-
-DECODE_M = (1, 2, 4, 8, 16)
-# (path, (BM, BN, BK, KS, warps, stages, DOT)): FMA GEMV one slot a block (DOT 0; + 4: the next step's
-# loads in flight; + 8: packed bf16x2 FMAs in PTX), blocks found in registers ("split") or from align()
-# ("grouped").
-DECODE_SWEEP: list[tuple[str, moe_gemm.SplitConfig]] = [
-    ("split", (1, 64, 256, 3584, 4, 3, 4)), ("split", (1, 64, 256, 3584, 4, 3, 12)),
-    ("split", (1, 64, 256, 3584, 4, 3, 8)), ("split", (1, 64, 256, 7168, 4, 3, 12)),
-    ("split", (1, 64, 512, 3584, 4, 3, 12)), ("split", (1, 128, 256, 3584, 4, 3, 12)),
-    ("split", (1, 64, 128, 3584, 4, 3, 12)), ("split", (1, 32, 512, 3584, 4, 3, 12)),
-    ("grouped", (1, 64, 256, 3584, 8, 3, 12)), ("grouped", (1, 64, 256, 3584, 4, 3, 8)),
+TC_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+TC_TP = (1, 8)  # full shapes, and one rank of TP-8 (each expert's intermediate / 8)
+# (path, (BM, BN, BK, KS, warps, stages, DOT)); DOT 1: plane dots on tensor cores; 12 / 8: the packed
+# FMA GEMV with / without the next step's loads in flight. The fastest of runs 11-13 (NOTES.md v7).
+TC_SWEEP: list[tuple[str, Any]] = [  # a config, or (gate_up config, down config)
+    ("grouped", (16, 64, 256, 7168, 4, 3, 1)), ("grouped", (16, 64, 256, 7168, 4, 2, 1)),
+    ("grouped", (16, 64, 256, 7168, 2, 3, 1)), ("grouped", (16, 64, 128, 7168, 4, 3, 1)),
+    ("grouped", (16, 128, 128, 7168, 2, 3, 1)), ("grouped", (16, 128, 256, 7168, 8, 4, 1)),
+    ("grouped", (32, 128, 128, 7168, 4, 3, 1)), ("grouped", (32, 64, 256, 7168, 4, 3, 1)),
+    ("grouped", (32, 64, 256, 7168, 2, 3, 1)),
+    ("grouped", ((16, 64, 256, 7168, 4, 3, 1), (16, 128, 128, 7168, 4, 3, 1))),
+    ("split", (1, 64, 256, 1024, 4, 3, 12)), ("split", (1, 64, 256, 7168, 4, 3, 12)),
+    ("split", (1, 64, 256, 3584, 4, 3, 8)), ("grouped", (1, 64, 256, 1024, 4, 3, 8)),
 ]
 
 
-def _warm_weights(e: int) -> tuple[torch.Tensor, ...]:
-    """Seeded packed weights and scales for `e` experts at K2's H and I (compiling needs only the shapes)."""
-    g = torch.Generator(device="cuda").manual_seed(1)
-    return (torch.randint(-2**31, 2**31 - 1, (e, 2 * I, H // 8), device="cuda", dtype=torch.int32, generator=g),
-            (torch.rand(e, 2 * I, H // 32, device="cuda", generator=g) * 2e-3).to(torch.bfloat16),
-            torch.randint(-2**31, 2**31 - 1, (e, H, I // 8), device="cuda", dtype=torch.int32, generator=g),
-            (torch.rand(e, H, I // 32, device="cuda", generator=g) * 2e-3).to(torch.bfloat16))
+def _pass_cfgs(c: Any) -> dict[str, moe_gemm.SplitConfig]:
+    """A sweep entry as moe_w4a16's configs: one config for both passes, or a (gate_up, down) pair."""
+    return {"gate_up": c[0], "down": c[1]} if isinstance(c[0], tuple) else {"gate_up": c, "down": c}
 
 
-def _warm_decode(cfgs: list) -> str:
-    """Compile the split-K kernels for `cfgs` ((path, config) pairs) in a child process (fills the
-    shared Triton cache)."""
-    e = 8
-    w = _warm_weights(e)
-    errs = []
-    for path, c in cfgs:
-        for m in (1, 8):
+def _tc_weights(e: int, inter: int, seed: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Packed words (every nibble value) and positive bf16 scales for e experts of intermediate `inter`."""
+    g = torch.Generator(device="cuda").manual_seed(int(time.time() * 1e3) if seed is None else seed)
+    return (torch.randint(-2**31, 2**31 - 1, (e, 2 * inter, H // 8), device="cuda", dtype=torch.int32, generator=g),
+            (torch.rand(e, 2 * inter, H // 32, device="cuda", generator=g) * 2e-3 + 1e-3).to(torch.bfloat16),
+            torch.randint(-2**31, 2**31 - 1, (e, H, inter // 8), device="cuda", dtype=torch.int32, generator=g),
+            (torch.rand(e, H, inter // 32, device="cuda", generator=g) * 2e-3 + 1e-3).to(torch.bfloat16))
+
+
+def _warm_tc(cfgs: list) -> str:
+    """Compile `cfgs` ((path, config) pairs) at both shapes in a child process (fills the Triton cache)."""
+    e, errs = 16, []
+    for tp in TC_TP:
+        w = _tc_weights(e, I // tp, seed=1)
+        for m in (1, 32):
             x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
             ids = torch.rand(m, e, device="cuda").topk(TOPK, -1).indices
             wts = torch.softmax(torch.randn(m, TOPK, device="cuda"), -1)
-            try:
-                moe_gemm.moe_w4a16(x, *w, ids, wts, configs={"gate_up": c, "down": c}, path=path)
-            except Exception as exc:
-                errs.append(f"{path} {c}: {exc!r}"[:300])
-                break
+            for path, c in cfgs:
+                if path == "split" and m * TOPK > moe_gemm.SPLIT_MAX_SLOTS:
+                    continue
+                try:
+                    moe_gemm.moe_w4a16(x, *w, ids, wts, configs=_pass_cfgs(c), path=path)
+                except Exception as exc:
+                    errs.append(f"tp{tp} {path} {c}: {exc!r}"[:300])
+        moe_gemm.moe_w4a16(x, *w, ids, wts)  # the shipped dispatch too
     torch.cuda.synchronize()
     return "; ".join(errs)
 
 
-def moe_decode_section(log: Log, bw: float) -> None:
-    """Split-K decode path: compile the sweep in parallel, check, time over 3 weight sets, pick per M."""
+def moe_tc_section(log: Log, bw: float) -> None:
+    """Tensor-core grouped MoE at full and TP-8 shard shapes: compile in parallel, check every
+    config against the reference, time over several weight sets (CUDA graphs; sets x bytes >> L2),
+    the shipped dispatch as the baseline, pick per (tp, M), re-check the picks poisoned on fresh
+    inputs, and check that two launches give bit-identical outputs (the engine's decode must repeat)."""
     import multiprocessing as mp
 
     t0 = time.time()
-    with mp.get_context("spawn").Pool(min(14, len(DECODE_SWEEP))) as pool:
-        warm = importlib.import_module("kernels.gpu_check")._warm_decode  # picklable under `python -m`
-        errs = pool.map(warm, [[c] for c in DECODE_SWEEP])
-    log(section="moedec_compile", wall_s=time.time() - t0, errors=[x for x in errs if x])
-    sets = [moe_weights() for _ in range(3)]  # 3 x 9.5 GB: nothing stays in L2 between calls
-    inputs = {m: [(torch.randn(m, H, device="cuda", dtype=torch.bfloat16), *routing(m)) for _ in sets]
-              for m in DECODE_M}
-    refs = {m: reference.moe_w4a16(inputs[m][0][0], *sets[0], *inputs[m][0][1:]) for m in DECODE_M}
-    nbytes = {m: sum(int(torch.unique(ids).numel()) * EXPERT_BYTES + 2 * m * H * 2 for _, ids, _ in inputs[m]) / 3
-              for m in DECODE_M}
+    with mp.get_context("spawn").Pool(16) as pool:
+        warm = importlib.import_module("kernels.gpu_check")._warm_tc
+        errs = pool.map(warm, [[c] for c in TC_SWEEP])
+    log(section="moetc_compile", wall_s=time.time() - t0, errors=[x for x in errs if x])
+    nsets = {1: 2, 8: 8}  # 2 x 9.5 GB; 8 x 1.2 GB
+    sets = {tp: [_tc_weights(E, I // tp) for _ in range(nsets[tp])] for tp in TC_TP}
+    inputs = {(tp, m): [(torch.randn(m, H, device="cuda", dtype=torch.bfloat16), *routing(m)) for _ in sets[tp]]
+              for tp in TC_TP for m in TC_M}
+    ebytes = {tp: 3 * H * (I // tp) // 2 + 3 * H * (I // tp) // 32 * 2 for tp in TC_TP}
+    nbytes = {(tp, m): sum(int(torch.unique(ids).numel()) * ebytes[tp] + 2 * m * H * 2 for _, ids, _ in inputs[tp, m])
+              / nsets[tp] for tp in TC_TP for m in TC_M}
 
-    def run(m: int, i: int, cfg: dict | None, path: str) -> torch.Tensor:
-        x, ids, wts = inputs[m][i]
-        return moe_gemm.moe_w4a16(x, *sets[i], ids, wts, configs=cfg, path=path)
+    def run(tp: int, m: int, i: int, path: str | None, c: Any) -> torch.Tensor:
+        x, ids, wts = inputs[tp, m][i]
+        return moe_gemm.moe_w4a16(x, *sets[tp][i], ids, wts, configs=None if c is None else _pass_cfgs(c),
+                                  path=path)
 
-    def timed(m: int, cfg: dict | None, path: str) -> float:
-        return bench(lambda: [run(m, i, cfg, path) for i in range(3)]) / 3
+    def timed(tp: int, m: int, path: str | None, c: Any) -> float:
+        n = nsets[tp]
+        return bench(lambda: [run(tp, m, i, path, c) for i in range(n)], rep=10) / n
 
-    def rec(m: int, us: float) -> dict[str, float]:
-        return {"us": us, "gbps": nbytes[m] / us / 1e3, "pct_copy_bw": 100 * nbytes[m] / bw / (us * 1e-6),
-                "floor_us": nbytes[m] / bw * 1e6}
+    def rec(tp: int, m: int, us: float) -> dict[str, float]:
+        nb = nbytes[tp, m]
+        return {"us": us, "gbps": nb / us / 1e3, "pct_copy_bw": 100 * nb / bw / (us * 1e-6), "floor_us": nb / bw * 1e6}
 
-    for m in (1, 16):  # the shipped tiled path, same inputs, for the before / after
-        if log.time_left() > 150:
-            err = rel_err(run(m, 0, None, "tiled"), refs[m])
-            log(section="moedec_baseline", m=m, cfg=str(moe_gemm.CONFIGS["decode"]["gate_up"]), rel_err=err,
-                **rec(m, timed(m, None, "tiled")))
-    best: dict[int, tuple[Any, float]] = {}
-    for path, c in DECODE_SWEEP:
-        cfg = {"gate_up": c, "down": c}
-        for m in DECODE_M:
-            if log.time_left() < 25:
-                break
-            try:
-                err = rel_err(run(m, 0, cfg, path), refs[m])
-                if not err < 1e-2:
-                    log(section="moedec_sweep", m=m, path=path, cfg=str(c), rel_err=err, error="wrong result")
+    rows, best = [], {}
+    for m in (1, 16, 512, 1024, 64, 4, 256, 128, 8, 32, 2):  # the ends and the targets first
+        for tp in TC_TP:
+            ref = reference.moe_w4a16(inputs[tp, m][0][0], *sets[tp][0], *inputs[tp, m][0][1:])
+            for path, c in [(None, None), *TC_SWEEP]:  # None: the shipped dispatch (baseline)
+                if log.time_left() < 40:
+                    break
+                if (path == "split" and m * TOPK > moe_gemm.SPLIT_MAX_SLOTS) or (c and not _pass_cfgs(c)["gate_up"][6] & 3 and m > 16):
+                    continue  # the FMA GEMV scales with the slots: decode sizes only
+                try:
+                    err = rel_err(run(tp, m, 0, path, c), ref)
+                    if not err < 1e-2:
+                        log(section="moetc_sweep", tp=tp, m=m, path=path, cfg=str(c), rel_err=err, error="wrong result")
+                        continue
+                    us = timed(tp, m, path, c)
+                except Exception as exc:
+                    log(section="moetc_sweep", tp=tp, m=m, path=path, cfg=str(c), error=repr(exc)[-300:])
                     continue
-                us = timed(m, cfg, path)
-            except Exception as exc:
-                log(section="moedec_sweep", m=m, path=path, cfg=str(c), error=repr(exc)[-300:])
-                break
-            log(section="moedec_sweep", m=m, path=path, cfg=str(c), rel_err=err, **rec(m, us))
-            if m not in best or us < best[m][1]:
-                best[m] = ((path, c), us)
+                r = dict(section="moetc_sweep", tp=tp, m=m, path=path or "shipped", cfg=str(c), rel_err=err, **rec(tp, m, us))
+                log(**r)
+                rows.append(r)
+                if c is not None and ((tp, m) not in best or us < best[tp, m][1]):
+                    best[tp, m] = ((path, c), us)
     poisoned(moe_gemm)
-    for m in DECODE_M:  # the picks, re-checked on fresh inputs with poisoned buffers
-        if m not in best:
-            continue
-        path, c = best[m][0]
-        i = m % 3
+    for (tp, m), ((path, c), us) in sorted(best.items()):  # picks re-checked on fresh inputs, poisoned
+        i = m % nsets[tp]
         x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
         ids, wts = routing(m)
-        err = rel_err(moe_gemm.moe_w4a16(x, *sets[i], ids, wts, configs={"gate_up": c, "down": c}, path=path),
-                      reference.moe_w4a16(x, *sets[i], ids, wts))
-        log(section="moedec_pick", m=m, path=path, cfg=str(c), rel_err=err, ok=err < 1e-2, **rec(m, best[m][1]))
+        cfg = _pass_cfgs(c)
+        out = moe_gemm.moe_w4a16(x, *sets[tp][i], ids, wts, configs=cfg, path=path)
+        err = rel_err(out, reference.moe_w4a16(x, *sets[tp][i], ids, wts))
+        same = torch.equal(out, moe_gemm.moe_w4a16(x, *sets[tp][i], ids, wts, configs=cfg, path=path))
+        log(section="moetc_pick", tp=tp, m=m, path=path, cfg=str(c), rel_err=err, ok=err < 1e-2,
+            deterministic=same, **rec(tp, m, us))
     unpoisoned(moe_gemm)
-    for m in (1, 16):  # host cost: eager (one weight set) against graph replay
-        if m in best:
-            path, c = best[m][0]
-            cfg = {"gate_up": c, "down": c}
-            log(section="moedec_eager", m=m, path=path, eager_us=bench(lambda: run(m, 0, cfg, path), graph=False),
-                graph_us=bench(lambda: run(m, 0, cfg, path)))
-    del sets
-
-
-# ----------------------------------------------------------------------------- MoE grouped split-K
-
-GROUPED_M = (32, 64, 128, 256, 512, 1024)
-# (BM, BN, BK, KS, warps, stages, DOT): plane dots (1), one interleaved dot (2), FMA one slot a block (0)
-GROUPED_SWEEP: list[moe_gemm.SplitConfig] = [  # DOT + 4: words and scales double-buffered in registers
-    (16, 64, 256, 7168, 4, 3, 1), (16, 64, 256, 7168, 4, 3, 5), (16, 64, 256, 7168, 4, 3, 2),
-    (16, 64, 256, 7168, 4, 3, 6), (16, 128, 128, 7168, 4, 3, 1), (16, 64, 128, 7168, 4, 3, 2),
-    (32, 64, 256, 7168, 4, 3, 1), (32, 64, 256, 7168, 8, 3, 6), (32, 128, 128, 7168, 8, 3, 1),
-    (32, 128, 128, 7168, 4, 3, 2), (64, 128, 128, 7168, 8, 3, 5), (64, 128, 128, 7168, 8, 3, 2),
-    (16, 64, 256, 1024, 4, 3, 5), (16, 128, 256, 1024, 8, 3, 2), (16, 32, 256, 2048, 4, 3, 1),
-    (1, 64, 256, 3584, 8, 3, 0), (1, 64, 256, 3584, 8, 3, 4),
-]
-
-
-def _warm_grouped(cfgs: list) -> str:
-    """Compile the grouped kernels for `cfgs` in a child process (fills the shared Triton cache).
-    16 experts and M = 32: the same integer specialisations (multiples of 16) as the timed shapes."""
-    e, m = 16, 32
-    w = _warm_weights(e)
-    errs = []
-    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
-    ids = torch.rand(m, e, device="cuda").topk(TOPK, -1).indices
-    wts = torch.softmax(torch.randn(m, TOPK, device="cuda"), -1)
-    for c in cfgs:
-        try:
-            moe_gemm.moe_w4a16(x, *w, ids, wts, configs={"gate_up": c, "down": c}, path="grouped")
-        except Exception as exc:
-            errs.append(f"{c}: {exc!r}"[:300])
-    torch.cuda.synchronize()
-    return "; ".join(errs)
-
-
-def moe_grouped_section(log: Log, bw: float) -> None:
-    """Grouped split-K path above the decode sizes: compile the sweep in parallel, check each config
-    against the reference, time over 2 weight sets (CUDA graphs), the shipped tiled path as the
-    baseline on the same inputs, pick per M, re-check the picks poisoned on fresh inputs."""
-    import multiprocessing as mp
-
-    t0 = time.time()
-    with mp.get_context("spawn").Pool(min(16, len(GROUPED_SWEEP))) as pool:
-        warm = importlib.import_module("kernels.gpu_check")._warm_grouped
-        errs = pool.map(warm, [[c] for c in GROUPED_SWEEP])
-    log(section="moegrp_compile", wall_s=time.time() - t0, errors=[x for x in errs if x])
-    nset = 2
-    sets = [moe_weights() for _ in range(nset)]  # 2 x 9.5 GB: a call never finds its weights in L2
-    inputs = {m: [(torch.randn(m, H, device="cuda", dtype=torch.bfloat16), *routing(m)) for _ in sets]
-              for m in GROUPED_M}
-    refs = {m: reference.moe_w4a16(inputs[m][0][0], *sets[0], *inputs[m][0][1:]) for m in GROUPED_M}
-    nbytes = {m: sum(int(torch.unique(ids).numel()) * EXPERT_BYTES + 2 * m * H * 2 for _, ids, _ in inputs[m]) / nset
-              for m in GROUPED_M}
-
-    def run(m: int, i: int, cfg: dict | None, path: str) -> torch.Tensor:
-        x, ids, wts = inputs[m][i]
-        return moe_gemm.moe_w4a16(x, *sets[i], ids, wts, configs=cfg, path=path)
-
-    def timed(m: int, cfg: dict | None, path: str) -> float:
-        return bench(lambda: [run(m, i, cfg, path) for i in range(nset)], rep=30) / nset
-
-    def rec(m: int, us: float) -> dict[str, float]:
-        return {"us": us, "gbps": nbytes[m] / us / 1e3, "pct_copy_bw": 100 * nbytes[m] / bw / (us * 1e-6),
-                "floor_us": nbytes[m] / bw * 1e6, "tflops": 2 * m * TOPK * 3 * H * I / (us * 1e-6) / 1e12}
-
-    best: dict[int, tuple[Any, float]] = {}
-    for m in (32, 128, 512, 1024, 64, 256):  # the ends first, in case the budget runs out
-        for c in [None, *GROUPED_SWEEP]:  # None: the shipped tiled path (baseline)
-            if log.time_left() < 30:
-                log(section="moegrp_sweep", m=m, cfg=str(c), skipped="budget")
-                break
-            cfg, path = (None, "tiled") if c is None else ({"gate_up": c, "down": c}, "grouped")
-            try:
-                err = rel_err(run(m, 0, cfg, path), refs[m])
-                if not err < 1e-2:
-                    log(section="moegrp_sweep", m=m, cfg=str(c), rel_err=err, error="wrong result")
-                    continue
-                us = timed(m, cfg, path)
-            except Exception as exc:
-                log(section="moegrp_sweep", m=m, cfg=str(c), error=repr(exc)[-300:])
-                continue
-            log(section="moegrp_sweep", m=m, path=path, cfg=str(c), rel_err=err, **rec(m, us))
-            if c is not None and (m not in best or us < best[m][1]):
-                best[m] = (c, us)
-    poisoned(moe_gemm)
-    for m in GROUPED_M:  # the picks, re-checked on fresh inputs with poisoned buffers
-        if m in best:
-            c, i = best[m][0], m % nset
+    for tp in TC_TP:  # the shipped dispatch: bit-identical across launches (and across a graph replay)
+        for m in (1, 5, 16, 130, 1025):
             x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
             ids, wts = routing(m)
-            err = rel_err(moe_gemm.moe_w4a16(x, *sets[i], ids, wts, configs={"gate_up": c, "down": c}, path="grouped"),
-                          reference.moe_w4a16(x, *sets[i], ids, wts))
-            log(section="moegrp_pick", m=m, cfg=str(c), rel_err=err, ok=err < 1e-2, **rec(m, best[m][1]))
-    unpoisoned(moe_gemm)
+            outs = [moe_gemm.moe_w4a16(x, *sets[tp][0], ids, wts) for _ in range(3)]
+            log(section="moetc_determinism", tp=tp, m=m, identical=all(torch.equal(outs[0], o) for o in outs[1:]))
+    import csv
+    with open(log.out / "moetc_sweep.csv", "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=["tp", "m", "path", "cfg", "us", "gbps", "pct_copy_bw", "floor_us", "rel_err"],
+                            extrasaction="ignore")
+        wr.writeheader()
+        wr.writerows(rows)
     del sets
 
 
@@ -537,13 +384,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--budget-s", type=float, default=420, help="stop timing sections when this runs out")
-    ap.add_argument("--only", default="moe,mla,tree", help="comma list of sections")
+    ap.add_argument("--only", default="moetc,mla,tree", help="comma list of sections (moetc, mla, tree)")
     a = ap.parse_args()
     log = Log(a.out, time.time() + a.budget_s)
     bw, tf = ceilings(log)
-    sections = {"tree": lambda: tree_section(log), "moe": lambda: moe_section(log, bw, tf),
-                "moedec": lambda: moe_decode_section(log, bw),
-                "moegrp": lambda: moe_grouped_section(log, bw),
+    sections = {"tree": lambda: tree_section(log), "moetc": lambda: moe_tc_section(log, bw),
                 "mla": lambda: mla_section(log, bw, tf)}
     for name in a.only.split(","):
         t0 = time.time()

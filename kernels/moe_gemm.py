@@ -1,27 +1,21 @@
-"""W4A16 MoE grouped GEMM (K2 INT4 format): three paths, picked by M * top-k.
+"""W4A16 MoE grouped GEMM (K2 INT4 format): two paths, picked by M * top-k.
 
-Tiled (path="tiled", the v3 baseline kept for comparison): alignment on the GPU with torch ops
-(sort, scatter_add, cumsum, searchsorted): no host sync (bincount would read its max back to the
-host). Each program owns one (expert, block of <= BM tokens routed to it, BN output columns) tile
-over all of K, in two Triton launches plus a k-way sum:
+Every pass is a split-K kernel: one program streams one [BN rows, KS of K] chunk of one expert's
+weights for a block of <= BM token-expert slots routed to it, writing fp32 partials per K split;
+two tiny kernels combine them in a fixed order (SiLU x up after gate_up; the routing-weighted sum
+over splits and top-k after down):
 
-  gate_up: h[slot] = silu(x[tok] . gate_e) * (x[tok] . up_e)          (SiLU x up in the epilogue)
-  down:    y[slot] = topk_weight[slot] * (h[slot] . W2_e)             (routing weight in the epilogue)
-  out[m]   = sum_j y[m*k + j]
+  gate_up: h[slot] = silu(x[tok] . gate_e) * (x[tok] . up_e)
+  down:    y[slot] = topk_weight[slot] * (h[slot] . W2_e),     out[m] = sum_j y[m*k + j]
 
-Decode (at most SPLIT_MAX_SLOTS token-expert slots, M <= 4 at top-8) takes the split-K path
-(path="split", the default there): every program finds its (expert, <= BM slots) block itself from
-topk_ids in registers (no alignment launches), then streams one [BN rows, KS of K] chunk of that
-expert's weights (about a thousand programs at M = 1, each reading 64-112 KB), fp32 partial sums per
-K split, combined by two tiny kernels (SiLU x up after gate_up; routing-weighted sum over splits and
-top-k after down). Four Triton launches and one activation permute copy, no host sync. At decode
-sizes the inner loop is an FMA GEMV, dequantizing two nibbles at a time into bf16x2 and multiplying
-with packed bf16x2 FMAs (PTX).
-
-Above that (path="grouped", the default there) the same split-K kernel takes its blocks from the
-tiled path's GPU alignment instead (any slot count; BM slots of one expert, so each weight tile is
-dequantized once per block), with fp32 partials and the same two combine kernels: on the H200 about
-2x the tiled path at M = 32..1024 (NOTES.md, run 5), and ahead of the split path from M = 8 (run 8).
+Decode (at most SPLIT_MAX_SLOTS slots, M <= 4 at top-8; path="split") finds each program's block
+from topk_ids in registers (no alignment launches). Above (path="grouped") the blocks come from
+align(), the slots sorted by expert on the GPU with torch ops (no host sync), so any slot count
+works and each weight tile is dequantized once per block. Up to M = 32 the inner loop is an FMA
+GEMV with packed bf16x2 FMAs (PTX); above, plane dots on the tensor cores: the words dequantized in
+registers straight into the MMA's operand layout, against plane-major activations whose loads the
+pipeliner copies asynchronously (NOTES.md v7). Configs are chosen per M and per shape class (full
+experts, or one TP rank's shard). No atomics: outputs are bit-identical run to run.
 """
 
 from __future__ import annotations
@@ -31,47 +25,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# (BM, BN, BK, num_warps, num_stages, EXPAND, PREFETCH) per kernel, by tokens per expert: the
-# fastest verified config of the H200 sweep (kernels/NOTES.md, run 3).
-Config = tuple[int, int, int, int, int, int, int]
-CONFIGS: dict[str, dict[str, Config]] = {
-    "decode": {"gate_up": (16, 64, 128, 4, 4, 1, 0), "down": (16, 64, 128, 4, 4, 1, 0)},
-    "mid": {"gate_up": (32, 128, 128, 4, 3, 4, 0), "down": (32, 128, 128, 4, 3, 4, 0)},
-    "large": {"gate_up": (32, 64, 256, 4, 4, 4, 0), "down": (32, 64, 256, 4, 4, 4, 0)},
-}
-
-
-def regime(m: int, topk: int, experts: int) -> str:
-    """Config class from the mean tokens per touched expert (known on the host: no sync)."""
-    per_expert = m * topk / min(experts, m * topk)
-    return "decode" if per_expert <= 4 else ("mid" if per_expert <= 16 else "large")
-
-
-# word (two's-complement nibbles) + bf16 scale -> 8 scaled bf16. t = word ^ 0x88888888 turns each
-# nibble into q + 8; prmt puts nibble 2j in the low half and 2j+1 in the high half; OR-ing under
-# 0x4300 (bf16 128.0) gives 128 + q + 8 exactly; FMA -136 then FMA by the scale (one rounding).
-_ASM_HEAD = """{
-.reg .b32 t, u, d, p, s2, one, m136, nz;
-mov.b32 one, 0x3F803F80;
-mov.b32 m136, 0xC308C308;
-mov.b32 nz, 0x80008000;
-xor.b32 t, $8, 0x88888888;
-shr.u32 u, t, 4;
-mov.b32 s2, {$9, $9};
-"""
-# pair j: nibbles 2j (low half) and 2j + 1 (high half) of the word into outputs $2j, $2j+1
-_ASM_PAIR = """prmt.b32 d, t, u, 0x0{hi}0{lo};
-lop3.b32 p, d, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 p, p, one, m136;
-fma.rn.bf16x2 p, p, s2, nz;
-mov.b32 {{${a}, ${b}}}, p;
-"""
-_ASM_W4_BF16 = tl.constexpr(_ASM_HEAD + "".join(
-    _ASM_PAIR.format(hi=4 + j, lo=j, a=2 * j, b=2 * j + 1) for j in range(4)) + "}")
-
-
 # word (two's-complement nibbles) . four bf16x2 activation pairs -> one bf16x2 partial (two sums of
-# four products): each pair of nibbles dequantized to exact bf16 q as above, then one bf16x2 FMA
+# four products): each pair of nibbles dequantized to exact bf16 q (as in _ASM_W4_PAIR), then one bf16x2 FMA
 # with the pair-plane of the activation (the FMA path's layout): 18 instructions for 8 weights.
 _ASM_W4_DOT = tl.constexpr("""{
 .reg .b32 t, u, d, acc, one, m136;
@@ -87,6 +42,24 @@ fma.rn.bf16x2 acc, d, ${2 + p}, acc;
 """ for p in range(4)) + "mov.b32 $0, acc;\n}")
 
 
+# two words a, b (K-adjacent in the MMA operand) + their bf16 scales (one register) -> plane j (j = 0..7)
+# as one bf16x2 register (nibble j of a, nibble j of b): prmt takes byte j // 2 of each word (shifted
+# by 4 for odd j), one lop3 does (d & 0xF) ^ 8 | 0x4300 = bf16 128 + q + 8, then FMA -136 and FMA by
+# the scales: 34 instructions for 16 weights, and no repacking for the MMA's register operand.
+_ASM_W4_PAIR = tl.constexpr("""{
+.reg .b32 ua, ub, d, one, m136, nz;
+mov.b32 one, 0x3F803F80;
+mov.b32 m136, 0xC308C308;
+mov.b32 nz, 0x80008000;
+shr.u32 ua, $8, 4;
+shr.u32 ub, $9, 4;
+""" + "".join(f"""prmt.b32 d, {"$8" if j % 2 == 0 else "ua"}, {"$9" if j % 2 == 0 else "ub"}, {hex((j // 2) * 0x11 + (4 + j // 2) * 0x1100)};
+lop3.b32 d, d, 0x000F000F, 0x43084308, 0x6A;
+fma.rn.bf16x2 d, d, one, m136;
+fma.rn.bf16x2 ${j}, d, $10, nz;
+""" for j in range(8)) + "}")
+
+
 @triton.jit
 def _nibble(words, j: tl.constexpr):
     """Element j of each word as fp32 without an int-to-float conversion: (q ^ 8) sits under the
@@ -96,12 +69,13 @@ def _nibble(words, j: tl.constexpr):
 
 @triton.jit
 def _planes(words, scales, dtype: tl.constexpr, ASM: tl.constexpr):
-    """[BN, W] words + per-word scales -> 8 planes [BN, W]: plane j holds elements 8w + j, scaled."""
+    """[BN, W] words + per-word scales -> 8 planes [BN, W]: plane j holds elements 8w + j, scaled.
+    ASM: the pair-packed PTX dequant (bf16 on the GPU); else fp32 math (the interpreter)."""
     if ASM:
         v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-            _ASM_W4_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, scales.to(tl.bfloat16)],
+            _ASM_W4_PAIR, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, scales.to(tl.bfloat16)],
             dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
-                   tl.bfloat16), is_pure=True, pack=1)
+                   tl.bfloat16), is_pure=True, pack=2)
     else:
         sf = scales.to(tl.float32)
         v0 = (_nibble(words, 0) * sf).to(dtype)
@@ -116,21 +90,13 @@ def _planes(words, scales, dtype: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _dequant(words, scales, dtype: tl.constexpr, ASM: tl.constexpr):
-    """[BN, BK//8] int32 words + per-word scales -> [BN, BK] weights: the planes interleaved in registers."""
-    v0, v1, v2, v3, v4, v5, v6, v7 = _planes(words, scales, dtype, ASM)
-    even = tl.interleave(tl.interleave(v0, v4), tl.interleave(v2, v6))
-    odd = tl.interleave(tl.interleave(v1, v5), tl.interleave(v3, v7))
-    return tl.interleave(even, odd)
-
-
-@triton.jit
-def _load_planes(ap, k0, xm):
-    """The eight stride-8 activation columns k0 + j (j = 0..7) that the plane dots pair with."""
-    return (tl.load(ap + k0 + 0, mask=xm, other=0.0), tl.load(ap + k0 + 1, mask=xm, other=0.0),
-            tl.load(ap + k0 + 2, mask=xm, other=0.0), tl.load(ap + k0 + 3, mask=xm, other=0.0),
-            tl.load(ap + k0 + 4, mask=xm, other=0.0), tl.load(ap + k0 + 5, mask=xm, other=0.0),
-            tl.load(ap + k0 + 6, mask=xm, other=0.0), tl.load(ap + k0 + 7, mask=xm, other=0.0))
+def _load_planes(ap, k0, xm, W: tl.constexpr):
+    """The eight activation planes of the step at k0 on plane-major rows (_plane_major): plane j
+    (elements 8w + j of the step) is the contiguous run at ap + k0 + j W, ap = w."""
+    return (tl.load(ap + k0 + 0 * W, mask=xm, other=0.0), tl.load(ap + k0 + 1 * W, mask=xm, other=0.0),
+            tl.load(ap + k0 + 2 * W, mask=xm, other=0.0), tl.load(ap + k0 + 3 * W, mask=xm, other=0.0),
+            tl.load(ap + k0 + 4 * W, mask=xm, other=0.0), tl.load(ap + k0 + 5 * W, mask=xm, other=0.0),
+            tl.load(ap + k0 + 6 * W, mask=xm, other=0.0), tl.load(ap + k0 + 7 * W, mask=xm, other=0.0))
 
 
 @triton.jit
@@ -146,93 +112,6 @@ def _plane_dots(words, scales, x0, x1, x2, x3, x4, x5, x6, x7, acc, dtype: tl.co
     acc = tl.dot(v6, x6, acc)
     acc = tl.dot(v7, x7, acc)
     return acc
-
-
-@triton.jit
-def _moe_gemm(a_ptr, wq_ptr, ws_ptr, out_ptr, tw_ptr, slots_ptr, seg_ptr, cnt_ptr, bexp_ptr, bms_ptr,
-              N, K, E, a_rows_per_slot, w_rows,
-              GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              EXPAND: tl.constexpr, PREFETCH: tl.constexpr):
-    """One (token block of one expert, BN columns) tile over all of K, computed transposed
-    (weights are the MMA's M side, the few tokens its N side).
-
-    GATED: weight rows [n] and [N + n] (gate, up) of w13, output silu(gate) * up at row `slot`;
-    else: one weight row set, output scaled by the routing weight of `slot`.
-    a rows are indexed by slot // a_rows_per_slot (x is per token, h is per slot).
-    EXPAND 1 / 2: dequantize to [BN, BK] (fp32 / PTX planes, interleaved) and one dot;
-    EXPAND 3 / 4: eight plane dots against the matching strided activations (K permuted).
-    PREFETCH loads each step's scales one step ahead (see NOTES.md: not yet timed).
-    """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(bexp_ptr + pid_m)
-    if e < E:
-        mstart = tl.load(bms_ptr + pid_m)
-        seg = tl.load(seg_ptr + e)
-        cnt = tl.load(cnt_ptr + e)
-        rm = tl.arange(0, BM)
-        rvalid = mstart + rm < cnt
-        slot = tl.load(slots_ptr + seg + mstart + rm, mask=rvalid, other=0)
-        arow = (slot // a_rows_per_slot).to(tl.int64)
-        rn = pid_n * BN + tl.arange(0, BN)
-        rkw = tl.arange(0, BK // 8)
-        e64 = e.to(tl.int64)
-        wq = wq_ptr + e64 * w_rows * (K // 8) + rn[:, None] * (K // 8) + rkw[None, :]
-        ws = ws_ptr + e64 * w_rows * (K // 32) + rn[:, None] * (K // 32) + rkw[None, :] // 4
-        if EXPAND >= 3:
-            ap = a_ptr + arow[None, :] * K + 8 * rkw[:, None]
-        else:
-            ap = a_ptr + arow[None, :] * K + tl.arange(0, BK)[:, None]
-        xm = rvalid[None, :]
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-        dt = a_ptr.dtype.element_ty
-        asm = EXPAND % 2 == 0
-        su_off = N * (K // 32)
-        if PREFETCH:  # scales are 2-byte loads the pipeliner leaves in the loop: fetch one step ahead
-            sg_next = tl.load(ws)
-            if GATED:
-                su_next = tl.load(ws + su_off)
-        for k0 in range(0, K, BK):
-            if PREFETCH:
-                more = k0 + BK < K
-                sg = sg_next
-                sg_next = tl.load(ws + (k0 + BK) // 32, mask=more, other=0.0)
-                if GATED:
-                    su = su_next
-                    su_next = tl.load(ws + su_off + (k0 + BK) // 32, mask=more, other=0.0)
-            if EXPAND >= 3:
-                wg = tl.load(wq + k0 // 8)
-                if not PREFETCH:
-                    sg = tl.load(ws + k0 // 32)
-                if GATED:
-                    wu = tl.load(wq + N * (K // 8) + k0 // 8)
-                    if not PREFETCH:
-                        su = tl.load(ws + su_off + k0 // 32)
-                x0, x1, x2, x3, x4, x5, x6, x7 = _load_planes(ap, k0, xm)
-                acc = _plane_dots(wg, sg, x0, x1, x2, x3, x4, x5, x6, x7, acc, dt, asm)
-                if GATED:
-                    acc_u = _plane_dots(wu, su, x0, x1, x2, x3, x4, x5, x6, x7, acc_u, dt, asm)
-            else:
-                wg = tl.load(wq + k0 // 8)
-                if not PREFETCH:
-                    sg = tl.load(ws + k0 // 32)
-                w = _dequant(wg, sg, dt, asm)
-                if GATED:
-                    wu = tl.load(wq + N * (K // 8) + k0 // 8)
-                    if not PREFETCH:
-                        su = tl.load(ws + su_off + k0 // 32)
-                    wu = _dequant(wu, su, dt, asm)
-                a = tl.load(ap + k0, mask=xm, other=0.0)
-                acc = tl.dot(w, a, acc)
-                if GATED:
-                    acc_u = tl.dot(wu, a, acc_u)
-        if GATED:
-            res = acc / (1.0 + tl.exp(-acc)) * acc_u
-        else:
-            res = acc * tl.load(tw_ptr + slot, mask=rvalid, other=0.0)[None, :]
-        op = out_ptr + slot.to(tl.int64)[None, :] * N + rn[:, None]
-        tl.store(op, res.to(out_ptr.dtype.element_ty), mask=xm)
 
 
 def align(topk_ids: Tensor, experts: int, bm: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
@@ -256,29 +135,12 @@ def align(topk_ids: Tensor, experts: int, bm: int) -> tuple[Tensor, Tensor, Tens
             bms.to(torch.int32), ub)
 
 
-def _launch(a: Tensor, wq: Tensor, ws: Tensor, out: Tensor, tw: Tensor, al: tuple, n: int, k: int,
-            a_rows_per_slot: int, gated: bool, cfg: Config) -> None:
-    bm, bn, bk, warps, stages, expand, prefetch = cfg
-    bn, bk = min(bn, n), min(bk, k)
-    if expand % 2 == 0 and (a.dtype != torch.bfloat16 or not a.is_cuda):
-        expand -= 1  # the PTX dequant is bf16-only and cannot run under the interpreter
-    if expand >= 3 and bk < 128 and a.is_cuda:
-        expand -= 2  # plane dots need K >= 16 per plane on the GPU
-    if n % bn or k % bk or bk % 32:
-        raise ValueError(f"moe_w4a16: N={n}, K={k} do not tile by BN={bn}, BK={bk}")
-    slots, seg, cnt, bexp, bms, ub = al
-    _moe_gemm[(ub, n // bn)](a, wq, ws, out, tw, slots, seg, cnt, bexp, bms, n, k, wq.shape[0],
-                             a_rows_per_slot, wq.shape[1], GATED=gated, BM=bm, BN=bn, BK=bk,
-                             EXPAND=expand, PREFETCH=prefetch, num_warps=warps,
-                             num_stages=stages)
-
-
 def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor,
               topk_ids: Tensor, topk_weights: Tensor, configs: dict | None = None,
               path: str | None = None) -> Tensor:
     """Triton MoE. `path`: "split" (decode split-K, blocks found in registers; default when
-    M * top-k <= SPLIT_MAX_SLOTS), "grouped" (split-K over GPU-aligned expert blocks; default above),
-    "tiled" (one program per tile over all of K). `configs` overrides the path's config (the GPU sweep uses it)."""
+    M * top-k <= SPLIT_MAX_SLOTS), "grouped" (split-K over GPU-aligned expert blocks; default above).
+    `configs` overrides the path's config (the GPU sweep uses it)."""
     m, h = x.shape
     e, two_i, _ = w13_q.shape
     inter = two_i // 2
@@ -287,20 +149,10 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
     tw = topk_weights.reshape(-1).float().contiguous()
     path = path or ("split" if m * topk <= SPLIT_MAX_SLOTS else "grouped")
     if path == "split":
-        return _moe_split(x, w13_q, w13_s, w2_q, w2_s, topk_ids, tw, configs or split_config(m), False)
+        return _moe_split(x, w13_q, w13_s, w2_q, w2_s, topk_ids, tw, configs or split_config(m, inter), False)
     if path == "grouped":
-        return _moe_split(x, w13_q, w13_s, w2_q, w2_s, topk_ids, tw, configs or grouped_config(m), True)
-    if path != "tiled":
-        raise ValueError(f"moe_w4a16: unknown path {path!r}")
-    cfg = configs or CONFIGS[regime(m, topk, e)]
-    hbuf = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)
-    ybuf = torch.empty(m * topk, h, dtype=x.dtype, device=x.device)
-    al = align(topk_ids, e, cfg["gate_up"][0])
-    _launch(x, w13_q, w13_s, hbuf, tw, al, inter, h, topk, True, cfg["gate_up"])
-    if cfg["down"][0] != cfg["gate_up"][0]:
-        al = align(topk_ids, e, cfg["down"][0])
-    _launch(hbuf, w2_q, w2_s, ybuf, tw, al, h, inter, 1, False, cfg["down"])
-    return ybuf.view(m, topk, h).sum(1)
+        return _moe_split(x, w13_q, w13_s, w2_q, w2_s, topk_ids, tw, configs or grouped_config(m, inter), True)
+    raise ValueError(f"moe_w4a16: unknown path {path!r}")
 
 
 # ----------------------------------------------------------------------------- decode: split-K
@@ -311,38 +163,58 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
 #   int32 pairs line up with the weight words (same [BN, BK/8] layout: no shared-memory shuffles);
 #   DOT 4: the same with the next step's words, scales and activations loaded one step ahead;
 #   DOT 8 (+ 4): the same with packed bf16x2 FMAs in PTX (bf16 on the GPU; plain FMA elsewhere).
-# DOT 1: plane dots on the MMA units, slots padded to 16; DOT 2: dequantize + interleave to [BN, BK]
-#   and one tl.dot against contiguous activations; + 4 (DOT 5 / 6): words and scales loaded one step
-#   ahead into registers (double-buffered).
+# DOT 1: plane dots on the tensor cores, slots padded to 16 (BM >= 16): the words dequantized by the
+#   pair-packed PTX (two K-adjacent words a call, each plane straight into the bf16x2 register of
+#   the MMA operand) against plane-major activations (_plane_major: each plane a contiguous run, so
+#   the pipeliner copies them asynchronously). Runs 11-13 of NOTES.md call it DOT 49.
 SplitConfig = tuple[int, int, int, int, int, int, int]
 SPLIT_MAX_SLOTS = 32  # M * top-k up to this goes split-K (M <= 4 at K2's top-8)
-# H200 sweeps (NOTES.md, runs 4, 6-8): packed bf16x2 FMAs (+ the next step's loads in flight at M = 1).
-SPLIT_CONFIGS: dict[int, dict[str, SplitConfig]] = {
-    1: {"gate_up": (1, 64, 256, 7168, 4, 3, 12), "down": (1, 64, 256, 7168, 4, 3, 12)},
-    4: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)},
+SHARD_INTER = 1024  # experts with a smaller intermediate (K2 at TP >= 2) take the "shard" tables
+
+
+def shape_class(inter: int) -> str:
+    """Config table of an expert shape: "full" (K2: 2048) or "shard" (a TP rank's slice, 256 at TP-8)."""
+    return "full" if inter >= SHARD_INTER else "shard"
+
+
+# By shape class, then the largest M of the bucket (M above the last bucket takes the last).
+# H200 sweeps (NOTES.md, runs 4, 6-8, 11-13): packed bf16x2 FMAs (+ the next step's loads in flight at
+# M = 1); at the shard, short K chunks (KS 1024: 7 gate_up splits) so that M = 1 has enough programs.
+SPLIT_CONFIGS: dict[str, dict[int, dict[str, SplitConfig]]] = {
+    "full": {1: {"gate_up": (1, 64, 256, 7168, 4, 3, 12), "down": (1, 64, 256, 7168, 4, 3, 12)},
+             4: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)}},
+    "shard": {2: {"gate_up": (1, 64, 256, 1024, 4, 3, 12), "down": (1, 64, 256, 1024, 4, 3, 12)},
+              4: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)}},
 }
 
 
-def split_config(m: int) -> dict[str, SplitConfig]:
-    """The config of the smallest M bucket that holds m."""
-    return SPLIT_CONFIGS[min((b for b in SPLIT_CONFIGS if b >= m), default=max(SPLIT_CONFIGS))]
+def _bucket(table: dict[int, dict[str, SplitConfig]], m: int) -> dict[str, SplitConfig]:
+    return table[min((b for b in table if b >= m), default=max(table))]
+
+
+def split_config(m: int, inter: int) -> dict[str, SplitConfig]:
+    """The split-K config of the smallest M bucket that holds m, for experts of intermediate `inter`."""
+    return _bucket(SPLIT_CONFIGS[shape_class(inter)], m)
 
 
 # Grouped split-K (above SPLIT_MAX_SLOTS): the same kernel with its blocks from align() (BM slots of
-# one expert, so each weight tile is dequantized once per block), by the largest M of the bucket;
-# M above the last bucket takes the last. H200 sweeps (NOTES.md, runs 5 and 8): the fastest verified
-# config at M = 8, 16, 32 (the packed FMA at 32 is carried over from 16, where it beat run 5's FMA
-# pick by 20 %), 64, 128, 256, 512, 1024 (KS 7168 = all of K: no K split won at these sizes).
-GROUPED_CONFIGS: dict[int, dict[str, SplitConfig]] = {
-    32: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)},
-    512: {"gate_up": (16, 128, 128, 7168, 4, 3, 1), "down": (16, 128, 128, 7168, 4, 3, 1)},
-    1024: {"gate_up": (32, 128, 128, 7168, 4, 3, 2), "down": (32, 128, 128, 7168, 4, 3, 2)},
+# one expert, so each weight tile is dequantized once per block). H200 sweeps (NOTES.md, runs 5, 8,
+# 11-13): the packed FMA up to M = 32; above, the plane dots on tensor cores (DOT 1: plane-major
+# activations, pair-packed dequant; KS = all of K), BM 32 once most experts hold > 16 slots.
+GROUPED_CONFIGS: dict[str, dict[int, dict[str, SplitConfig]]] = {
+    "full": {32: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)},
+             256: {"gate_up": (16, 64, 256, 7168, 4, 3, 1), "down": (16, 64, 256, 7168, 4, 3, 1)},
+             512: {"gate_up": (16, 64, 256, 7168, 2, 3, 1), "down": (16, 64, 256, 7168, 2, 3, 1)},
+             1024: {"gate_up": (32, 128, 128, 7168, 4, 3, 1), "down": (32, 128, 128, 7168, 4, 3, 1)}},
+    "shard": {32: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)},
+              512: {"gate_up": (16, 64, 256, 7168, 4, 3, 1), "down": (16, 64, 256, 7168, 4, 3, 1)},
+              1024: {"gate_up": (32, 64, 256, 7168, 4, 3, 1), "down": (32, 64, 256, 7168, 4, 3, 1)}},
 }
 
 
-def grouped_config(m: int) -> dict[str, SplitConfig]:
-    """The grouped config of the smallest M bucket that holds m."""
-    return GROUPED_CONFIGS[min((b for b in GROUPED_CONFIGS if b >= m), default=max(GROUPED_CONFIGS))]
+def grouped_config(m: int, inter: int) -> dict[str, SplitConfig]:
+    """The grouped config of the smallest M bucket that holds m, for experts of intermediate `inter`."""
+    return _bucket(GROUPED_CONFIGS[shape_class(inter)], m)
 
 
 @triton.jit
@@ -436,7 +308,8 @@ def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_row
     """part[split, slot, n] = a[row(slot), chunk] . W_e[n, chunk] (x routing weight if WEIGHTED) for
     one (block, BN rows, KS chunk of K). Words load as [BN, BK/8] (BK/2 contiguous bytes a row),
     scales as [BN, BK/32] once per step and broadcast to their 4 words in registers.
-    DOT 0: a_ptr is the activation as int32 pairs, permuted per BK chunk (see _permute).
+    FMA (DOT & 3 == 0): a_ptr is the activation as int32 pairs, permuted per BK chunk (see _permute);
+    plane dots (DOT 1): a_ptr holds plane-major rows (see _plane_major).
     ALIGNED: block b comes from align()'s table (any slot count) instead of _block_slots."""
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -456,33 +329,15 @@ def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_row
         ws = ws_ptr + wrow[:, None] * (K // 32) + kbeg // 32 + tl.arange(0, G)[None, :]
         if DOT & 3:
             arow = (slot // a_rows_per_slot).to(tl.int64)
-            if (DOT & 3) == 2:
-                ap = a_ptr + arow[None, :] * K + kbeg + tl.arange(0, BK)[:, None]  # [BK, BM]
-            else:
-                ap = a_ptr + arow[None, :] * K + kbeg + 8 * rw[:, None]  # [W, BM]: plane j = ap + j
+            ap = a_ptr + arow[None, :] * K + kbeg + rw[:, None]  # [W, BM] on plane-major rows: plane j = ap + j W
             xm = valid[None, :]
             acc = tl.zeros((BN, BM), dtype=tl.float32)
-            if DOT & 4:
-                words_next = tl.load(wq)
-                sc_next = tl.load(ws)
             for k0 in range(0, KS, BK):
-                if DOT & 4:  # registers double-buffered: the next step's loads fly during this step
-                    words = words_next
-                    sc = sc_next
-                    kn = tl.minimum(k0 + BK, KS - BK)
-                    words_next = tl.load(wq + kn // 8)
-                    sc_next = tl.load(ws + kn // 32)
-                else:
-                    words = tl.load(wq + k0 // 8)
-                    sc = tl.load(ws + k0 // 32)
+                words = tl.load(wq + k0 // 8)
+                sc = tl.load(ws + k0 // 32)
                 sw = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, G, 4)), (BN, W))
-                if (DOT & 3) == 2:
-                    w = _dequant(words, sw, a_ptr.dtype.element_ty, ASM)
-                    acc = tl.dot(w, tl.load(ap + k0, mask=xm, other=0.0), acc)
-                else:
-                    x0, x1, x2, x3, x4, x5, x6, x7 = _load_planes(ap, k0, xm)
-                    acc = _plane_dots(words, sw, x0, x1, x2, x3, x4, x5, x6, x7, acc, a_ptr.dtype.element_ty,
-                                      ASM)
+                x0, x1, x2, x3, x4, x5, x6, x7 = _load_planes(ap, k0, xm, W)
+                acc = _plane_dots(words, sw, x0, x1, x2, x3, x4, x5, x6, x7, acc, a_ptr.dtype.element_ty, ASM)
         else:
             tl.static_assert(BM == 1)
             arow = (tl.sum(slot, axis=0) // a_rows_per_slot).to(tl.int64)
@@ -524,9 +379,11 @@ def _moe_splitk(a_ptr, ids_ptr, wq_ptr, ws_ptr, part_ptr, tw_ptr, S, N, K, a_row
 
 
 @triton.jit
-def _silu_mul(part_ptr, h_ptr, S, I, SPLITS: tl.constexpr, PERM: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul(part_ptr, h_ptr, S, I, SPLITS: tl.constexpr, PERM: tl.constexpr, PLANES: tl.constexpr,
+              BLOCK: tl.constexpr):
     """h[slot, c] = silu(gate) * up, gate / up = the gate_up partials summed over the K splits.
-    PERM > 0 writes h in _permute's order for that BK (the FMA down pass reads it so)."""
+    PERM > 0 writes h in _permute's order for that BK (the FMA down pass reads it so); PLANES > 0 in
+    _plane_major's order for that BK (the plane-major dot down pass)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < S * I
     row = offs // I
@@ -541,6 +398,9 @@ def _silu_mul(part_ptr, h_ptr, S, I, SPLITS: tl.constexpr, PERM: tl.constexpr, B
     if PERM:
         r = col % PERM  # element 8w + 2p + lo of the chunk -> pair-plane p, word w, half lo
         col = col - r + (r % 8 // 2) * (PERM // 4) + (r // 8) * 2 + r % 2
+    if PLANES:
+        r = col % PLANES  # element 8w + j of the chunk -> plane j, position w
+        col = col - r + (r % 8) * (PLANES // 8) + r // 8
     tl.store(h_ptr + row * I + col, h.to(h_ptr.dtype.element_ty), mask=live)
 
 
@@ -565,14 +425,23 @@ def _plan(cfg: SplitConfig, n: int, k: int, on_gpu: bool, bf16_gpu: bool) -> Spl
     while k % ks and ks > 32:  # small models (the engine's k2-mini): the largest chunk that tiles
         ks //= 2
     bk = min(bk, ks)
-    if (dot & 3) == 1 and bk < 128 and on_gpu:
-        dot += 1  # plane dots need K >= 16 per plane on the GPU: one interleaved dot instead
+    if dot not in (0, 1, 4, 8, 12):
+        raise ValueError(f"moe_w4a16: unknown DOT {dot} (0 / 4 / 8 / 12 FMA, 1 plane dots)")
+    if dot == 1 and bk < 128 and on_gpu:
+        dot = 8  # plane dots need K >= 16 per plane on the GPU: the packed FMA GEMV instead
     bm = max(bm, 16) if dot & 3 else 1  # tl.dot needs 16 columns (padding slots masked); FMA: one slot
-    if dot & 8 and (dot & 3 or not bf16_gpu):
-        dot -= 8  # the packed bf16x2 FMA is an FMA-path, bf16, PTX-only variant
+    if dot & 8 and not bf16_gpu:
+        dot -= 8  # the packed bf16x2 FMA is bf16 and PTX only
     if n % bn or k % ks or ks % bk or bk % 32:
         raise ValueError(f"moe_w4a16: N={n}, K={k} do not tile by BN={bn}, KS={ks}, BK={bk}")
     return bm, bn, bk, ks, warps, stages, dot
+
+
+def _plane_major(a: Tensor, bk: int) -> Tensor:
+    """Activation rows with each BK chunk plane-major: position j * BK/8 + w holds element 8w + j, so
+    each plane dot's operand is a contiguous run (loads the pipeliner can copy asynchronously)."""
+    m, k = a.shape
+    return a.view(m, k // bk, bk // 8, 8).transpose(2, 3).contiguous().view(m, k)
 
 
 def _permute(a: Tensor, bk: int) -> Tensor:
@@ -614,12 +483,14 @@ def _moe_split(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tens
     e = w13_q.shape[0]
     gu_al = align(topk_ids, e, gu_plan[0]) if aligned else None
     dn_al = (gu_al if dn_plan[0] == gu_plan[0] else align(topk_ids, e, dn_plan[0])) if aligned else None
-    a = x if gu_plan[6] & 3 else _permute(x, gu_plan[2])
+    a = _plane_major(x, gu_plan[2]) if gu_plan[6] & 3 else _permute(x, gu_plan[2])
     gu = _split_launch(a, ids, w13_q, w13_s, tw, 2 * inter, h, topk, False, gu_plan, bf16, gu_al)
     hbuf = torch.empty(s, inter, dtype=x.dtype, device=x.device)
     block = 1024
     _silu_mul[(triton.cdiv(s * inter, block),)](gu, hbuf, s, inter, SPLITS=gu.shape[0],
-                                               PERM=0 if dn_plan[6] & 3 else dn_plan[2], BLOCK=block)
+                                               PERM=0 if dn_plan[6] & 3 else dn_plan[2],
+                                               PLANES=dn_plan[2] if dn_plan[6] & 3 else 0,
+                                               BLOCK=block)
     a = hbuf if dn_plan[6] & 3 else hbuf.view(torch.int32)
     dn = _split_launch(a, ids, w2_q, w2_s, tw, h, inter, 1, True, dn_plan, bf16, dn_al)
     out = torch.empty(m, h, dtype=x.dtype, device=x.device)

@@ -162,3 +162,18 @@ def test_bad_arch_device_or_usage_exit_2(tmp_path, argv, needle):
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+def test_moe_shard_rows_carry_tp_and_the_shard_bytes():
+    """The kernel suite's TP sweep: one rank's shard of every expert (intermediate / tp), rows tagged."""
+    import torch
+
+    from engine.bench_kernels import PROFILES, KernelBench
+
+    kb = KernelBench(PROFILES[("cpu", "smoke")], torch.device("cpu"))
+    full, shard = kb.moe(4, "auto"), kb.moe(4, "auto", tp=2)
+    assert (full["tp"], shard["tp"]) == (1, 2)
+    assert shard["N"] * 2 == full["N"] and shard["K"] == full["K"]
+    assert shard["bytes"] < full["bytes"]
+    assert PROFILES[("cuda", "full")].moe_tp_m == PROFILES[("cuda", "full")].moe_m  # M = 1..1024 at tp 8
+    assert schema.SCHEMAS["kernels"].field("tp").nullable

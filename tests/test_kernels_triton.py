@@ -76,13 +76,6 @@ def _check_moe(m: int, e: int, seed: int, configs: dict, path: str | None = None
 
 
 @inner
-@pytest.mark.parametrize("m,expand,prefetch", [(1, 1, 0), (5, 1, 1), (7, 3, 1)])
-def test_moe_matches_reference(m: int, expand: int, prefetch: int) -> None:
-    cfg = (16, 32, 128, 4, 1, expand, prefetch)
-    _check_moe(m, 8, 100 + m, {"gate_up": cfg, "down": cfg}, path="tiled")
-
-
-@inner
 @pytest.mark.parametrize("m,e,dot", [(1, 8, 0), (7, 8, 0), (5, 8, 4), (24, 4, 1)])
 def test_moe_split_k_matches_reference(m: int, e: int, dot: int) -> None:
     """The decode path: per-program block finding (m=24 over 4 experts: 18 slots each, so two
@@ -93,15 +86,25 @@ def test_moe_split_k_matches_reference(m: int, e: int, dot: int) -> None:
 
 
 @inner
-@pytest.mark.parametrize("m,gu,dn", [(50, (16, 32, 64, 128, 4, 1, 1), (32, 64, 64, 64, 4, 1, 2)),
-                                     (19, (32, 64, 128, 256, 4, 1, 6), (1, 32, 64, 128, 4, 1, 0)),
-                                     (40, (16, 32, 64, 128, 4, 1, 5), (16, 32, 32, 64, 4, 1, 6))])
+@pytest.mark.parametrize("m,gu,dn", [(50, (16, 32, 64, 128, 4, 1, 1), (32, 64, 64, 64, 4, 1, 1)),
+                                     (19, (32, 64, 128, 256, 4, 1, 1), (1, 32, 64, 128, 4, 1, 0)),
+                                     (40, (1, 32, 64, 128, 4, 1, 4), (16, 32, 32, 64, 4, 1, 1))])
 def test_moe_grouped_matches_reference(m: int, gu: tuple, dn: tuple) -> None:
     """The grouped split-K path: blocks from align() (m=50: 150 slots over 8 experts, so several
-    blocks an expert and unused tail blocks), plane dots / one interleaved dot / FMA, each dot with
-    and without the register double-buffer (DOT + 4), K splits in both passes (down at m=50: KS 64
-    of 128), different BM per pass (two alignments)."""
+    blocks an expert and unused tail blocks), plane dots (x in _plane_major's order; h written so
+    by _silu_mul's PLANES when down runs them) / FMA with and without the register double-buffer,
+    K splits in both passes (down at m=50: KS 64 of 128), different BM per pass (two alignments)."""
     _check_moe(m, 8, 300 + m, {"gate_up": gu, "down": dn}, path="grouped")
+
+
+@inner
+def test_moe_refuses_unknown_dot() -> None:
+    from kernels import moe_gemm
+
+    with pytest.raises(ValueError, match="DOT"):
+        _check_moe(3, 8, 1, {"gate_up": (16, 32, 64, 128, 4, 1, 2), "down": (16, 32, 64, 128, 4, 1, 1)},
+                   path="grouped")
+    assert moe_gemm.shape_class(2048) == "full" and moe_gemm.shape_class(256) == "shard"
 
 
 @inner
