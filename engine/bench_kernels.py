@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from engine.config import K2, K2_MINI, ModelConfig
+from engine.costs import build_tree_cost, expected_experts, mla_cost, moe_cost, tree_accept_cost
 from engine.model import Init
 from engine.timing import Timing, time_op
 from kernels import ops, reference
@@ -57,10 +58,6 @@ def resolved_impl(impl: str, module: str, device: torch.device) -> str:
     if impl != "auto":
         return impl
     return "triton" if device.type == "cuda" and ops.triton_module(module) is not None else "torch"
-
-
-def expected_experts(e: int, k: int, m: int) -> float:
-    return e * (1 - (1 - k / e) ** m)
 
 
 def _timing_cols(t: Timing, nbytes: float, flops: float) -> Row:
@@ -135,14 +132,12 @@ class KernelBench:
         t = time_op(lambda: ops.moe_w4a16(x, *w, ids, tw, impl=impl), self.dev, reps)
         h, i, e, k = c.hidden, c.moe_inter // tp, c.experts, c.top_k
         unique = int(ids.unique().numel())
-        per_expert = 3 * h * i / 2 + 3 * h * i / 32 * 2  # int4 codes + bf16 scales
-        act = x.element_size()
-        nbytes = unique * per_expert + 2 * m * h * act + m * k * (8 + 4)
+        nbytes, flops = moe_cost(c, m, unique, x.element_size(), tp)
         return {"kernel": "moe_w4a16", "impl": resolved_impl(impl, "moe_gemm", self.dev),
                 "dtype": str(self.dtype).removeprefix("torch."), "device": self.dev.type,
                 "M": m, "N": 2 * i, "K": h, "E": e, "top_k": k, "tp": tp, "unique_experts": unique,
                 "expected_experts": expected_experts(e, k, m),
-                **_timing_cols(t, nbytes, 2 * m * k * 3 * h * i)}
+                **_timing_cols(t, nbytes, flops)}
 
     # ------------------------------------------------------------------ trees
     def draft(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,12 +157,10 @@ class KernelBench:
         lp, tok, root = self.draft(batch)
         c = self.p.cfg
         t = time_op(lambda: ops.build_tree(lp, tok, root, budget), self.dev, self.p.repeats)
-        n = budget + 1
-        nbytes = batch * c.draft_len * c.draft_topk * 12 + batch * n * 28 + batch * n * n
         return {"kernel": "build_tree", "impl": resolved_impl("auto", "tree_build", self.dev),
                 "dtype": "float32", "device": self.dev.type, "budget": budget, "batch": batch,
                 "K": c.draft_topk, "N": c.draft_len,
-                **_timing_cols(t, nbytes, batch * budget)}  # flops: one score add per node
+                **_timing_cols(t, *build_tree_cost(c, batch, budget))}  # flops: one score add per node
 
     def accept_inputs(self, batch: int, budget: int) -> tuple[ops.Tree, torch.Tensor]:
         """A real tree and a target argmax that agrees with each node's first child (a deep walk)."""
@@ -181,12 +174,10 @@ class KernelBench:
 
     def tree_accept(self, batch: int, budget: int) -> Row:
         tree, want = self.accept_inputs(batch, budget)
-        n = budget + 1
         t = time_op(lambda: ops.tree_accept(tree, want), self.dev, self.p.repeats)
-        nbytes = batch * n * 8 * 3 + batch * (self.p.cfg.draft_len + 3) * 8
         return {"kernel": "tree_accept", "impl": resolved_impl("auto", "tree_accept", self.dev),
                 "dtype": "int64", "device": self.dev.type, "budget": budget, "batch": batch,
-                **_timing_cols(t, nbytes, batch * n)}  # flops: one token compare per node
+                **_timing_cols(t, *tree_accept_cost(self.p.cfg, batch, budget))}  # flops: one compare per node
 
     # ------------------------------------------------------------------ attention
     def attention_inputs(self, batch: int, budget: int, context: int) -> tuple:
@@ -203,7 +194,6 @@ class KernelBench:
 
     def attention(self, batch: int, budget: int, context: int, impl: str) -> Row:
         c = self.p.cfg
-        n = budget + 1
         hh, dl, dr = c.heads, c.kv_lora, c.rope_dim
         q_nope, q_rope, ckv, kpe, lens, mask, scale = self.attention_inputs(batch, budget, context)
         if impl == "torch":  # the plain-PyTorch baseline, in the input dtype
@@ -214,10 +204,7 @@ class KernelBench:
             fn = lambda: ops.mla_tree_attention(q_nope, q_rope, ckv, kpe, lens, mask, scale)  # noqa: E731
             reps = self.p.repeats
         t = time_op(fn, self.dev, reps)
-        el = q_nope.element_size()
-        s = context + n
-        nbytes = batch * (s * (dl + dr) * el + n * hh * (2 * dl + dr) * el + n * n)
-        flops = 2 * batch * n * hh * s * (2 * dl + dr)  # the tree block counted dense
+        nbytes, flops = mla_cost(c, batch, budget, context, q_nope.element_size())
         return {"kernel": "mla_tree_attention", "impl": resolved_impl(impl, "mla_verify", self.dev),
                 "dtype": str(self.dtype).removeprefix("torch."), "device": self.dev.type,
                 "budget": budget, "context": context, "batch": batch, "N": hh, "K": dl + dr,

@@ -18,7 +18,8 @@ from typing import Any, Iterable, Mapping
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
+READABLE_VERSIONS = ("2", "3")   # version 2 files read with the version-3 columns null (tp, weight_sets: 1)
 TABLES = ("runs", "kernels", "e2e", "comm")
 SOURCES = ("measured", "projected")
 MANIFEST = "manifest.json"
@@ -51,7 +52,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         _f("run_id", _s, False), _f("kernel", _s, False), _f("impl", _s, False),
         _f("dtype", _s, False), _f("device", _s, False),
         _f("M", _i), _f("N", _i), _f("K", _i), _f("E", _i), _f("top_k", _i),
-        _f("tp", _i),  # MoE rows: 1 for full shapes, N for one rank's TP-N shard shapes
+        _f("tp", _i),  # 1 for full shapes, N for the shapes one rank of a TP-N deployment runs
         _f("unique_experts", _i), _f("expected_experts", _d),
         _f("budget", _i), _f("context", _i), _f("batch", _i),
         _f("time_us_p10", _d), _f("time_us_p50", _d, False), _f("time_us_p90", _d),
@@ -64,6 +65,8 @@ SCHEMAS: dict[str, pa.Schema] = {
     ]),
     "e2e": pa.schema([
         _f("run_id", _s, False), _f("config", _s, False), _f("layers", _i),
+        _f("tp", _i), _f("weight_sets", _i), _f("vocab", _i),
+        _f("comm_source", _s),  # measured | modelled | none: where comm_ms came from
         _f("device", _s, False), _f("concurrency", _i, False), _f("budget", _i, False),
         _f("synthetic_accept", _d),  # the drafter's steering level: acceptance is synthetic
         _f("accept_len_mean", _d), _f("tokens_per_s", _d), _f("steps", _i),
@@ -242,6 +245,18 @@ def _text(meta: dict[bytes, bytes], key: bytes, label: str) -> str:
         raise SchemaError(f"{label}: metadata {key.decode()!r} is not UTF-8") from None
 
 
+# columns version 3 added, and the value a version-2 file means by leaving them out
+_V3_DEFAULTS = {"tp": 1, "weight_sets": 1, "vocab": None, "comm_source": None}
+
+
+def _upgrade(table: pa.Table, name: str) -> pa.Table:
+    """A version-2 table with the version-3 columns added (tp and weight_sets 1, the rest null)."""
+    for f in SCHEMAS[name]:
+        if f.name in _V3_DEFAULTS and f.name not in table.schema.names:
+            table = table.append_column(f, pa.array([_V3_DEFAULTS[f.name]] * table.num_rows, f.type))
+    return table
+
+
 def validate(table: pa.Table, label: str) -> pa.Table:
     """Check a table against the contract, every offset and buffer first (a bad string offset would
     otherwise be read past its data by whoever touches the column next)."""
@@ -255,8 +270,8 @@ def validate(table: pa.Table, label: str) -> pa.Table:
         raise SchemaError(f"{label}: duplicate column(s) {dup}")
     meta = table.schema.metadata or {}
     version = _text(meta, b"kdbench.schema_version", label)
-    if version != SCHEMA_VERSION:
-        raise SchemaError(f"{label}: schema version {version or 'missing'!r}, expected {SCHEMA_VERSION!r}")
+    if version not in READABLE_VERSIONS:
+        raise SchemaError(f"{label}: schema version {version or 'missing'!r}, expected one of {READABLE_VERSIONS}")
     name = _text(meta, b"kdbench.table", label)
     if name not in SCHEMAS:
         raise SchemaError(f"{label}: unknown table {name!r}")
@@ -271,6 +286,9 @@ def validate(table: pa.Table, label: str) -> pa.Table:
         raise SchemaError(f"{label}: provenance is not JSON") from None
     if not isinstance(prov, dict) or not isinstance(prov.get("run_id"), str):
         raise SchemaError(f"{label}: provenance is not an object with a run_id")
+    if version != SCHEMA_VERSION:
+        table = _upgrade(table, name)
+        names = table.schema.names
     want = SCHEMAS[name]
     for f in want:
         if f.name not in names:

@@ -40,10 +40,12 @@ from prefect.deployments.flow_runs import arun_deployment
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from pydantic import BaseModel
 
+from flows import backtest
 from flows import deploy as deploy_mod
 from flows import notes as notes_mod
-from flows import projection
+from flows import reference as references
 from flows.inventory import Host, Inventory, host_path, load_host, load_inventory, now, retire, update_host
+from flows.projection import ProjectionError
 from flows.pull import Pulled, pull, quarantine, record_unfinished
 from flows.scrub import fenced, md, plain, redact
 from flows.settings import Settings
@@ -265,20 +267,22 @@ def ingest(store: Store, host: str, run_id: str, pulled: Pulled) -> str | None:
 
 
 @task(name="notes", cache_policy=NONE)
-def write_notes(store: Store, settings: Settings, subject: str, reference: str,
+def write_notes(store: Store, settings: Settings, subject: str,
                 hosts: Sequence[str] = ()) -> tuple[list[str], str | None]:
-    """Render the fleet notes and commit them (with the YAML of `hosts` when the inventory lives
-    in the same repo); one writer at a time across every process."""
+    """Refresh the stored backtests, render the fleet notes and commit them (with the YAML of `hosts`
+    when the inventory lives in the same repo); one writer at a time across every process. A host
+    shows the projection its own bench run stored (`kdbench notes` stores one for every unmeasured host)."""
     log = get_run_logger()
     with held(NOTES_LIMIT):
         inv = load_inventory(settings.hosts_dir)
-        paths = notes_mod.render_notes(store, inv, settings.docs_dir, reference)
+        backtest.store_backtest(store, backtest.backtests_of(store, inv))   # the notes read it, never compute it
+        paths = notes_mod.render_notes(store, inv, settings.docs_dir)
         commit = None
         if settings.commit:
             yamls = [host_path(settings.hosts_dir, h) for h in hosts]
             repo = settings.repo.resolve()
             paths_in_repo = [*paths, *(y for y in yamls if y.resolve().is_relative_to(repo))]
-            message = "\n".join([subject, "", *notes_mod.summary_lines(store, inv, reference)]) + "\n"
+            message = "\n".join([subject, "", *notes_mod.summary_lines(store, inv)]) + "\n"
             commit = notes_mod.commit_notes(repo, paths_in_repo, message, inv)
     rel = [_rel(p, settings.docs_dir.parent) for p in paths if p.suffix == ".md"]
     log.info("notes: %d page(s) under %s/notes%s", len(rel), settings.docs_dir.name,
@@ -457,13 +461,13 @@ def bench(host: str, suites: list[str] | None = None, profile: str | None = None
                                    detail=_route_unmeasurable(s, h, res))
         if report.route not in REACHED:  # a reachable host keeps its last measured data in the notes
             try:
-                report.projected_run_id = projection.project_task(s.artifacts, str(s.hosts_dir), host, reference)
+                report.projected_run_id = references.project_task(s.artifacts, str(s.hosts_dir), host, reference)
                 report.outcome = "projected"
-            except projection.ProjectionError as e:
+            except ProjectionError as e:
                 log.error("no projection for %s: %s", host, e)
                 report.detail += f"; no projection: {e}"
         if notes:
-            report.notes, report.commit = write_notes(store, s, f"bench {host}: {report.outcome}", reference, [host])
+            report.notes, report.commit = write_notes(store, s, f"bench {host}: {report.outcome}", [host])
     _publish(report, s)
     return report
 
@@ -493,7 +497,7 @@ async def fleet(hosts: list[str] | None = None, suites: list[str] | None = None,
             for n, r in zip(names, runs)]
     log.info("fleet runs done in %.1f s: %s", elapsed, ", ".join(f"{r['host']} {r['state']}" for r in rows))
     store = Store(s.artifacts)
-    write_notes(store, s, f"fleet: {len(rows)} hosts", reference or s.reference, names)
+    write_notes(store, s, f"fleet: {len(rows)} hosts", names)
     await create_table_artifact(key="fleet", table=rows, description=f"fleet run, {elapsed:.0f} s")
     failed = [r["host"] for r in rows if r["state"] != "Completed"]
     if failed:

@@ -12,6 +12,7 @@ app = typer.Typer(
 
 from flows.hosts_cli import hosts_app  # noqa: E402
 from flows.sandbox_cli import sandbox_app  # noqa: E402
+from flows.importer import import_cmd  # noqa: E402
 from flows.notes_cli import backtest_cmd, notes  # noqa: E402
 from flows.serve import serve, server  # noqa: E402
 
@@ -19,5 +20,6 @@ app.add_typer(hosts_app, name="hosts")
 app.add_typer(sandbox_app, name="sandbox")
 app.command("notes")(notes)
 app.command("backtest")(backtest_cmd)
+app.command("import")(import_cmd)
 app.command("serve")(serve)
 app.command("server")(server)

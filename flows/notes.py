@@ -3,7 +3,8 @@
 Everything on a page is a function of artifacts/ and the inventory alone: no clock, no
 environment, fixed number formats and sorted orders, so the same inputs give the same bytes and
 git only sees a change when a figure changed. A host with no measured run gets a projected page,
-computed here the same (deterministic) way the flows store it. Pages name hosts, GPUs, versions
+read back as the flows (or `kdbench notes`) stored it: rendering never projects. Backtest figures
+come from the stored backtest (flows.backtest) the same way. Pages name hosts, GPUs, versions
 and fingerprints, never addresses, user names or key paths: `leaks` checks that before writing.
 Every string that came from a host (GPU name, versions, kernel, impl, config, run ids) is made
 plain and redacted with the inventory when the views are gathered, and escaped with `md` where it
@@ -22,11 +23,14 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
+from engine.config import CONFIGS
 from engine.schema import provenance
 from flows import plots
+from flows.backtest import BacktestRow, goal_gap, stored_backtest
+from flows.families import e2e_key, family, host_side, label, point_key, regime, tp_of
 from flows.inventory import Host, Inventory, InventoryError, Spec, host_status_text
-from flows.projection import (TERMS, ProjectionError, Reference, breakdown, load_reference, point_key,
-                              project, target_of)
+from flows.projection import TERMS, breakdown
+from flows.reference import is_outside
 from flows.scrub import leaks, md, plain, redact
 from flows.store import Store, StoreError, check_name
 
@@ -68,7 +72,7 @@ class Projected:
     ref_run_id: str
     ref: Run | None                  # the reference's measured tables, when still at hand
     ref_spec: Spec | None
-    assumptions: list[str]
+    assumptions: list[dict[str, Any]]
     references: list[str]
 
 
@@ -82,6 +86,8 @@ class HostView:
     measured: list[Run] = field(default_factory=list)      # oldest first
     projection: Projected | None = None
     missing: str = ""
+    outside: list[Run] = field(default_factory=list)       # imported outside figures of this machine
+    backtest: list[BacktestRow] = field(default_factory=list)
 
     @property
     def kind(self) -> str:
@@ -108,9 +114,19 @@ def measured_runs(store: Store, name: str) -> list[Run]:
     for ref in store.references():
         tables = store.reference(ref)
         row = tables["runs"].to_pylist()[0]
-        if row["host"] == name and row["source"] == "measured":
+        if row["host"] == name and row["source"] == "measured" and not is_outside(tables):
             runs.setdefault(row["run_id"], ((0, row["started_at"] or ""), Run(row["run_id"], tables)))
     return [r for _, r in sorted(runs.values(), key=lambda x: (x[0], x[1].run_id))]
+
+
+def outside_runs(store: Store, name: str) -> list[Run]:
+    """Imported outside figures (published or otherwise) of a host, never counted as its measurements."""
+    out = []
+    for ref in store.references():
+        tables = store.reference(ref)
+        if is_outside(tables) and tables["runs"].column("host")[0].as_py() == name:
+            out.append(Run(ref, tables))
+    return out
 
 
 def stored_projection(store: Store, inv: Inventory, name: str) -> Projected | None:
@@ -127,43 +143,29 @@ def stored_projection(store: Store, inv: Inventory, name: str) -> Projected | No
                      list(prov.get("assumptions", [])), list(prov.get("references", [ref_id])))
 
 
-def projected_now(ref: Reference, inv: Inventory, name: str) -> Projected:
-    p = project([ref], target_of(inv, name))
-    return Projected(Run(p.run_id, p.tables), ref.host, ref.run_id, Run(ref.run_id, ref.tables), ref.spec,
-                     p.assumptions, [ref.run_id])
-
-
-def gather(store: Store, inv: Inventory, reference: str = "h200") -> list[HostView]:
+def gather(store: Store, inv: Inventory) -> list[HostView]:
     """Views of every inventory host and every host with data, sorted by name.
 
-    A host without a measured run shows a projection: the one computed now from `reference` (the
-    same deterministic computation the flows store), or a stored one made from a newer reference.
+    A host without a measured run shows the newest projection stored for it (`kdbench notes` and
+    the flows store them); a host with neither says how to get one.
     """
     names = set(inv.hosts) | {r.host for r in store.runs()}
     for ref_name in store.references():
         names.add(store.reference(ref_name)["runs"].column("host")[0].as_py())
     names = {n for n in names if _page_name(n)}  # a name becomes a file name under docs/notes/
-    ref: Reference | None = None
-    ref_error = ""
-    try:
-        ref = load_reference(store, inv, reference)
-    except (ProjectionError, StoreError) as e:
-        ref_error = str(e)
+    backtest = stored_backtest(store)
     views = []
     for name in sorted(names):
         host = inv.hosts.get(name)
         spec = inv.specs.get(host.spec) if host else None
-        view = HostView(name, host, spec, measured_runs(store, name))
+        view = HostView(name, host, spec, measured_runs(store, name), outside=outside_runs(store, name),
+                        backtest=backtest)
         if not view.measured:
-            # the projection from the newest reference: a stored one, or one computed now
-            options = [p for p in (stored_projection(store, inv, name),
-                                   projected_now(ref, inv, name) if ref and spec else None) if p]
-            if options:
-                view.projection = max(reversed(options), key=lambda p: p.run.runs_row["started_at"] or "")
-            elif ref is None:
-                view.missing = ref_error
-            else:
-                view.missing = f"host {name} is not in the inventory, so it has no spec sheet to project onto"
+            view.projection = stored_projection(store, inv, name)
+            if view.projection is None:
+                view.missing = (f"no projection of {name} is stored: `kdbench notes` stores one from the "
+                                "reference" if spec else
+                                f"host {name} is not in the inventory, so it has no spec sheet to project onto")
         views.append(_cleaned(view, inv))
     return views
 
@@ -191,11 +193,14 @@ def _clean_run(run: Run, inv: Inventory) -> Run:
 def _cleaned(view: HostView, inv: Inventory) -> HostView:
     """Views are gathered from raw stored tables (lookups need the real ids), then cleaned for display."""
     view.measured = [_clean_run(r, inv) for r in view.measured]
+    view.outside = [_clean_run(r, inv) for r in view.outside]
     p = view.projection
     if p:
+        records = [{k: plain(v, inv) if isinstance(v, str) else v for k, v in a.items()}
+                   for a in p.assumptions if isinstance(a, dict)]
         view.projection = Projected(_clean_run(p.run, inv), plain(p.ref_host, inv), plain(p.ref_run_id, inv),
                                     _clean_run(p.ref, inv) if p.ref else None, p.ref_spec,
-                                    [plain(a, inv, cap=1000) for a in p.assumptions], [plain(r, inv) for r in p.references])
+                                    records, [plain(r, inv) for r in p.references])
     view.missing = plain(view.missing, inv, cap=1000)
     return view
 
@@ -209,8 +214,8 @@ def ceilings_of(run: Run, spec: Spec | None) -> tuple[float | None, float | None
 
 
 def moe_points(run: Run) -> list[dict[str, Any]]:
-    """MoE W4A16 points of the run's preferred implementation (Triton where it ran), by M."""
-    pts = [k for k in run.rows("kernels") if k["kernel"] == "moe_w4a16" and k["M"]]
+    """MoE W4A16 points at full shapes of the run's preferred implementation (Triton where it ran), by M."""
+    pts = [k for k in run.rows("kernels") if family(k["kernel"]) == "moe_w4a16" and k["M"] and tp_of(k) == 1]
     impls = sorted({k["impl"] for k in pts}, key=lambda i: (i != "triton", i))
     return sorted((k for k in pts if impls and k["impl"] == impls[0]), key=lambda k: k["M"])
 
@@ -227,9 +232,57 @@ def best_moe(run: Run) -> dict[str, Any] | None:
     return max(pts, key=lambda k: (k["bytes"] / k["time_us_p50"], -k["M"])) if pts else None
 
 
-def best_e2e(run: Run) -> dict[str, Any] | None:
-    rows = [e for e in run.rows("e2e") if e["tokens_per_s"]]
-    return max(rows, key=lambda e: (e["tokens_per_s"], -e["concurrency"])) if rows else None
+HEADLINE_CONCURRENCY = (1, 16)
+
+
+def full_depth(row: dict[str, Any]) -> int:
+    return CONFIGS[row["config"]].layers if row["config"] in CONFIGS else row["layers"] or 0
+
+
+def full_model_rows(run: Run) -> dict[int, dict[str, Any]]:
+    """Per headline concurrency, the fastest full-depth e2e row at the run's largest TP degree."""
+    rows = [e for e in run.rows("e2e") if e["tokens_per_s"] and e["layers"] and e["layers"] >= full_depth(e)]
+    if not rows:
+        return {}
+    tp = max(tp_of(e) for e in rows)
+    out = {}
+    for c in HEADLINE_CONCURRENCY:
+        at = [e for e in rows if tp_of(e) == tp and e["concurrency"] == c]
+        if at:
+            out[c] = max(at, key=lambda e: (e["tokens_per_s"], -e["budget"]))
+    return out
+
+
+def model_headline(run: Run, projected: bool) -> str:
+    """Full-model tokens/s at C=1 and C=16 with tp, layers and accept length, or why there is none."""
+    rows = full_model_rows(run)
+    if not rows:
+        depths = sorted({e["layers"] for e in run.rows("e2e") if e["layers"]})
+        if not depths:
+            return ""
+        return (f"full model: no full-depth e2e rows yet (the e2e rows here have "
+                f"{'/'.join(map(str, depths))} layers: kernel tests, not deployment figures)")
+    parts = []
+    for c, e in sorted(rows.items()):
+        band = f" ({e['tokens_per_s_low']:,.0f}-{e['tokens_per_s_high']:,.0f})" if projected else ""
+        parts.append(f"{e['tokens_per_s']:,.0f} tok/s{band} at C={c} (B={e['budget']}, accept "
+                     f"{fmt(e['accept_len_mean'], 2)})")
+    e = next(iter(rows.values()))
+    return f"full model {e['layers']} layers TP-{tp_of(e)}: " + ", ".join(parts)
+
+
+def outside_headline(view: HostView) -> str:
+    """The outside figures' e2e rows, named by who measured them."""
+    parts = []
+    for run in view.outside:
+        prov = provenance(run.tables["runs"])
+        for e in sorted(run.rows("e2e"), key=lambda e: e["concurrency"]):
+            if e["tokens_per_s"]:
+                parts.append(f"{e['tokens_per_s']:,.1f} tok/s at C={e['concurrency']}")
+        if parts:
+            return f"{md(prov.get('origin'))} ({md(prov.get('impl', '-'))}, TP-{tp_of(run.rows('e2e')[0])}): " + \
+                ", ".join(parts)
+    return ""
 
 
 def fmt(x: float | None, digits: int = 1) -> str:
@@ -252,8 +305,8 @@ def headline(view: HostView) -> str:
     """The one-line summary used in the index and the commit message."""
     run = view.latest
     if run is None:
-        return "no data"
-    parts = []
+        return outside_headline(view) or "no data"
+    parts = [model_headline(run, view.kind == "projected")]
     moe = best_moe(run)
     if moe:
         gbps = moe["bytes"] / (moe["time_us_p50"] * 1e3)
@@ -264,17 +317,15 @@ def headline(view: HostView) -> str:
             lo = moe["bytes"] / (moe["time_us_high"] * 1e3)
             hi = moe["bytes"] / (moe["time_us_low"] * 1e3)
             parts.append(f"MoE W4A16 decode {bandwidth(gbps, lo, hi)} at M={moe['M']}")
-    e2e = best_e2e(run)
-    if e2e:
-        band = "" if view.kind == "measured" else \
-            f" ({e2e['tokens_per_s_low']:,.0f}-{e2e['tokens_per_s_high']:,.0f})"
-        parts.append(f"e2e {e2e['tokens_per_s']:,.0f} tok/s{band} at concurrency {e2e['concurrency']}")
-    return "; ".join(parts) or "no kernel or e2e points"
+    outside = outside_headline(view)
+    if outside:
+        parts.append(outside)
+    return "; ".join(p for p in parts if p) or "no kernel or e2e points"
 
 
-def summary_lines(store: Store, inv: Inventory, reference: str = "h200") -> list[str]:
+def summary_lines(store: Store, inv: Inventory) -> list[str]:
     """Commit message lines: `Measured h200: ...`, `Projected b300 from h200: ...`."""
-    return _summary(gather(store, inv, reference))
+    return _summary(gather(store, inv))
 
 
 def _summary(views: Sequence[HostView]) -> list[str]:
@@ -380,14 +431,14 @@ def other_kernels(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str
                str(k["budget"]) if k["budget"] is not None else "-",
                str(k["context"]) if k["context"] is not None else "-", fmt(t),
                sig(k["bytes"] / (t * 1e3)), sig(k["flops"] / (t * 1e6)),
-               md(k["regime"] or regime_of(k, *ceilings_of(run, view.spec)))]
+               md(k["regime"] or regime(k, *ceilings_of(run, view.spec)))]
         if projected:
             row += [f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}", md(k["reference_regime"] or "-")]
         rows.append(row)
     copy, mm = ceilings_of(run, view.spec)
     fams: dict[str, tuple[list[float], list[float]]] = {}
     for k in run.rows("kernels"):
-        if k["impl"] != "cpu" and k["bytes"] > 0:
+        if not host_side(k) and k["bytes"] > 0:
             xs, ys = fams.setdefault(f"{k['kernel']}/{k['impl']}", ([], []))
             xs.append(k["flops"] / k["bytes"])
             ys.append(k["flops"] / (k["time_us_p50"] * 1e6))
@@ -407,28 +458,21 @@ def point_key_sort(k: dict[str, Any]) -> tuple:
     return tuple((v is None, v if v is not None else 0) for v in point_key(k))
 
 
-def regime_of(k: dict[str, Any], bw: float | None, tf: float | None) -> str:
-    if k["impl"] == "cpu":
-        return "host"
-    if not bw or not tf:
-        return "-"
-    return "memory" if k["bytes"] / bw >= k["flops"] / (tf * 1e3) else "compute"
-
-
 def e2e_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
-    rows = sorted(run.rows("e2e"), key=lambda e: (e["config"], e["budget"], e["concurrency"]))
+    rows = sorted(run.rows("e2e"), key=lambda e: (e["config"], e["layers"] or 0, tp_of(e), e["budget"],
+                                                  e["concurrency"]))
     if not rows:
         return ["## End to end", "", "No e2e points in this run.", ""]
     projected = view.kind == "projected"
-    head = ["config", "layers", "budget", "concurrency", "accepted / step", "tokens/s", "step ms"]
+    head = ["config", "layers", "tp", "budget", "concurrency", "accepted / step", "tokens/s", "step ms"]
     if projected:
-        head.insert(6, "band (tokens/s)")
+        head.insert(7, "band (tokens/s)")
     table = []
     for e in rows:
-        r = [md(e["config"]), str(e["layers"]), str(e["budget"]), str(e["concurrency"]),
+        r = [md(e["config"]), str(e["layers"]), str(tp_of(e)), str(e["budget"]), str(e["concurrency"]),
              fmt(e["accept_len_mean"], 2), fmt(e["tokens_per_s"], 0), fmt(e["step_ms_p50"], 2)]
         if projected:
-            r.insert(6, f"{fmt(e['tokens_per_s_low'], 0)}-{fmt(e['tokens_per_s_high'], 0)}")
+            r.insert(7, f"{fmt(e['tokens_per_s_low'], 0)}-{fmt(e['tokens_per_s_high'], 0)}")
         table.append(r)
     level = sorted({e["synthetic_accept"] for e in rows if e["synthetic_accept"] is not None})
     out = ["## End to end", "",
@@ -438,12 +482,12 @@ def e2e_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
     # the step split and its Amdahl shares; for a projection, the reference's next to the target's
     ref_rows = {}
     if projected and view.projection.ref:
-        ref_rows = {(e["config"], e["budget"], e["concurrency"]): e for e in view.projection.ref.rows("e2e")}
+        ref_rows = {e2e_key(e, without=("tp",)): e for e in view.projection.ref.rows("e2e")}
     head = ["point"] + [t.removesuffix("_ms") for t in TERMS] + ["step ms"]
     split, bars = [], []
     ends = {min(e["concurrency"] for e in rows), max(e["concurrency"] for e in rows)} if rows else set()
     for e in rows:
-        key = (e["config"], e["budget"], e["concurrency"])
+        key = e2e_key(e, without=("tp",))
         sides = [(view.projection.ref_host, ref_rows[key])] if key in ref_rows else []
         sides.append((view.name, e))
         for side, row in sides:
@@ -519,14 +563,140 @@ def spread(k: dict[str, Any]) -> float:
     return (k["time_us_p90"] - k["time_us_p10"]) / k["time_us_p50"]
 
 
+def assumption_text(a: dict[str, Any]) -> str:
+    """One stored assumption record in words (its strings escaped for the page)."""
+    a = {k: md(v) if isinstance(v, str) else v for k, v in a.items()}
+    what = a.get("what")
+    if what == "reference_ceilings":
+        return (f"reference {a['host']} run {a['run_id']} on {a['gpu']}: measured ceilings {sig(a['copy_gbps'])} GB/s "
+                f"copy ({a['copy_fraction']:.1%} of its {sig(a['spec_gbps'])} GB/s spec) and {sig(a['matmul_tflops'])} "
+                f"TFLOP/s {a['dtype']} matmul ({a['matmul_fraction']:.1%} of its {sig(a['spec_tflops'])} spec)")
+    if what == "target_ceilings":
+        return (f"target {a['host']} on {a['gpu']}: the same fractions of its spec sheet give "
+                f"{sig(a['copy_gbps'])} GB/s and {sig(a['matmul_tflops'])} TFLOP/s {a['dtype']}")
+    if what == "kernel_carrier":
+        return ("each kernel point keeps its measured efficiency on the resource that bounds it; the other "
+                "resource borrows its kernel family's efficiency (band: the family's min to max)")
+    if what == "kept":
+        return (f"kept as measured: a launch floor of up to {a['launch_floor_us']:g} us per kernel, the host-side "
+                f"points ({', '.join(md(h) for h in a['host_side'])}) and latency-bound points (under "
+                f"{a['latency_share']:.0%} of both ceilings; band up to their roofline-scaled time)")
+    if what == "e2e_terms":
+        terms = "; ".join(f"{md(t.removesuffix('_ms'))} like {' + '.join(md(x) for x in f)}"
+                          for t, f in sorted(a["terms"].items()))
+        return (f"e2e, term by term: {terms} at the step's shapes; draft like the {a['draft_ms']}; "
+                f"{', '.join(md(t.removesuffix('_ms')) for t in a['kept'])} kept")
+    if what == "tensor_parallel":
+        how = {"same": "measured at that degree", "fit": "re-sharded by a fixed + sharded/TP fit of two measured "
+               "degrees", "kernels": "re-sharded by the verify kernels' shard-shape points",
+               "bytes": "re-sharded assuming all of verify shards (1/TP; band up to no speed-up): no measurement "
+               "at this degree"}
+        rows = "; ".join(f"{r['points']} row(s) from TP-{r['from_tp']}: {how.get(r['how'], md(r['how']))}"
+                         for r in a["rows"])
+        return (f"each e2e row is one rank of a TP-{a['target_tp']} deployment on the {a['gpus']} GPU(s); "
+                f"draft, tree and accept run replicated; {rows or 'no e2e rows'}")
+    if what == "comm":
+        link = f"{a['link_gbps']:.0f} GB/s {a['interconnect']}" if a["link_gbps"] else "no link figure"
+        how = "calibrated on the reference's all-reduce" if a["calibrated"] else "default constants"
+        return (f"comm = {a['allreduces_per_layer']} all-reduces per layer x layers of tokens x hidden x 2 bytes "
+                f"over a ring of {a['gpus']}, alpha {a['alpha_us']:g} us, {a['efficiency']:.0%} "
+                f"({a['efficiency_low']:.0%}-{a['efficiency_high']:.0%}) of {link} ({how})")
+    if what == "e2e_without_split":
+        return f"{a['rows']} e2e row(s) of the reference have no step split (outside figures): not projected"
+    if what == "band":
+        n = len(a["references"])
+        return "band: the reference's p10-p90 times" + (f" and the spread across {n} references" if n > 1 else "")
+    return ", ".join(f"{md(k)} {md(v)}" for k, v in sorted(a.items()))
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+BACKTEST_COLUMNS = ("backtest", "data", "family", "regime", "points", "median error", "worst error", "in band",
+                    "goal")
+
+
+def backtest_cells(rows: Sequence[BacktestRow]) -> list[list[str]]:
+    """One row of BACKTEST_COLUMNS per backtest row; the goal column says how far each misses, or `met`."""
+    out = []
+    for r in rows:
+        med_gap, band_gap = goal_gap(r)
+        if r.skipped:
+            goal = f"skipped: {r.detail}"
+        else:
+            bits = []
+            if med_gap is not None:
+                bits.append("median met" if med_gap == 0 else f"median {med_gap:.1%} over")
+            bits.append("band met" if band_gap == 0 else f"band {band_gap:.0%} short")
+            goal = ", ".join(bits)
+        data = r.reference if r.reference == r.target else f"{r.reference} -> {r.target}"
+        out.append([md(r.kind), md(data), md(r.family), md(r.regime), str(r.points), _pct(r.median_error),
+                    _pct(r.worst_error), "-" if r.in_band is None else f"{r.in_band:.0%}", md(goal, cap=400)])
+    return out
+
+
+def backtest_table(rows: Sequence[BacktestRow]) -> list[str]:
+    return _table(BACKTEST_COLUMNS, backtest_cells(rows))
+
+
+def backtest_section(rows: Sequence[BacktestRow]) -> list[str]:
+    head = ["## How good are the projections", "",
+            "Hold-out backtests on the measured data (stored by `kdbench backtest`): each predicts measured points "
+            "from other measured points. Error = predicted / measured - 1; in band = share of measured points "
+            "inside the predicted band. Goals: median error at most 10% on memory-bound kernel families and 20% "
+            "on e2e, bands holding at least 90% of the points; where a row misses, the goal column says by how much.",
+            ""]
+    if not rows:
+        return head + ["No backtest stored yet: run `kdbench backtest`.", ""]
+    details = sorted({(r.kind, r.detail) for r in rows if not r.skipped})
+    return head + backtest_table(rows) + [f"- {md(k)}: {md(d, cap=400)}" for k, d in details] + [""]
+
+
 def projection_section(view: HostView) -> list[str]:
     p = view.projection
     gpu = f" ({p.ref_spec.gpu})" if p.ref_spec else ""
-    return ["## Projection", "",
-            f"Reference: host {md(p.ref_host)}, run {md(p.ref_run_id)}{gpu}; "
-            f"references used for the band: {', '.join(md(r) for r in p.references)}.", "", "Assumptions:", ""] + \
-        [f"- {md(a, cap=1000)}" for a in p.assumptions] + [
-        "", "Every figure on this page is a projection with a low-high band, not a measurement.", ""]
+    fams = {label(k) for k in p.run.rows("kernels")}
+    cited = [r for r in view.backtest if r.family.split(" vs ")[0] in fams or r.regime == "e2e"]
+    out = ["## Projection", "",
+           f"Reference: host {p.ref_host}, run {p.ref_run_id}{gpu}; "
+           f"references used for the band: {', '.join(p.references)}.", "", "Assumptions:", ""] + \
+        [f"- {assumption_text(a)}" for a in p.assumptions] + [
+        "", "Every figure on this page is a projection with a low-high band, not a measurement.", "",
+        "### Backtest error of this page's families", "",
+        "How far the same projection missed when it predicted measured points it had not seen "
+        "(the fleet index has every backtest).", ""]
+    return out + (backtest_table(cited) if cited else ["No backtest stored yet: run `kdbench backtest`.", ""])
+
+
+def outside_section(view: HostView) -> list[str]:
+    """Imported figures of this machine, beside kdbench's own and never mixed with them."""
+    if not view.outside:
+        return []
+    out = ["## Outside measurements", "",
+           "Figures measured by others on this kind of machine and imported with `kdbench import`; kdbench did not "
+           "run them. They are shown as published, beside kdbench's own figures, and never mixed into them.", ""]
+    for run in view.outside:
+        prov = provenance(run.tables["runs"])
+        out += [f"**{md(run.run_id)}** ({md(prov.get('origin'))}): {md(prov.get('machine', '-'))}; "
+                f"{md(prov.get('date', '-'))}; source: {md(prov.get('source', '-'), cap=400)}.", ""]
+        e2e = run.rows("e2e")
+        if e2e:
+            out += _table(["engine", "config", "layers", "tp", "concurrency", "tokens/s", "TTFT ms", "ITL ms"],
+                          [[md(prov.get("impl", "-")), md(e["config"]), str(e["layers"] or "-"), str(tp_of(e)),
+                            str(e["concurrency"]), fmt(e["tokens_per_s"]), fmt(e["ttft_ms"]), fmt(e["itl_ms_p50"])]
+                           for e in sorted(e2e, key=lambda e: e["concurrency"])])
+        kern = run.rows("kernels")
+        if kern:
+            out += _table(["kernel", "impl", "M", "us", "us/token", "GB/s"],
+                          [[md(k["kernel"]), md(k["impl"]), str(k["M"] or "-"), fmt(k["time_us_p50"]),
+                            fmt(k["time_us_p50"] / k["M"], 2) if k["M"] else "-",
+                            sig(k["bytes"] / (k["time_us_p50"] * 1e3))]
+                           for k in sorted(kern, key=point_key_sort)])
+        notes = prov.get("notes")
+        if isinstance(notes, list) and notes:
+            out += [f"- {md(n, cap=400)}" for n in notes[:20]] + [""]
+    return out
 
 
 def render_host(view: HostView, docs_dir: Path) -> str:
@@ -547,11 +717,13 @@ def render_host(view: HostView, docs_dir: Path) -> str:
         lines = [f"# {view.name}{gpu}: no data", "", f"**Data: none.** {md(view.missing, cap=1000)}", ""]
     if run is not None:
         rel = view.name
+        lines += [f"**Headline:** {headline(view)}.", ""]
         lines += environment(view, run)
         lines += moe_section(view, run, out_dir, rel)
         lines += other_kernels(view, run, out_dir, rel)
         lines += e2e_section(view, run, out_dir, rel)
         lines += comparison(view) if view.kind == "measured" else projection_section(view)
+    lines += outside_section(view)
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -573,6 +745,7 @@ def render_index(views: Sequence[HostView]) -> str:
              "its figures are carried from a measured reference and carry a low-high band.", ""]
     lines += _table(["host", "GPUs", "interconnect", "status", "retired (reason, date)", "data", "last run",
                      "headline"], rows)
+    lines += backtest_section(views[0].backtest if views else [])
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -586,9 +759,9 @@ def _inside(path: Path, root: Path) -> Path:
     return path
 
 
-def render_notes(store: Store, inv: Inventory, docs_dir: Path, reference: str = "h200") -> list[Path]:
+def render_notes(store: Store, inv: Inventory, docs_dir: Path) -> list[Path]:
     """Write every host page, its plots and the fleet index under docs_dir/notes/; returns the files."""
-    views = gather(store, inv, reference)
+    views = gather(store, inv)
     notes_dir = Path(docs_dir) / "notes"
     notes_dir.mkdir(parents=True, exist_ok=True)
     for v in views:
@@ -708,8 +881,8 @@ def commit_notes(repo: Path, paths: Sequence[Path], message: str, inv: Inventory
         raise NotesError(f"git {e.cmd[3]} failed: {redact(e.stderr.strip()[:300], inv)}") from None
 
 
-def notes_message(store: Store, inv: Inventory, reference: str = "h200") -> str:
+def notes_message(store: Store, inv: Inventory) -> str:
     """The commit message: a subject naming the hosts, then one summary line per host."""
-    views = gather(store, inv, reference)
+    views = gather(store, inv)
     named = ", ".join(v.name for v in views if v.kind != "no data") or "no data"
     return f"Notes: {named}\n\n" + "\n".join(_summary(views)) + "\n"

@@ -11,8 +11,10 @@ from rich.table import Table
 
 from engine.schema import SchemaError
 from flows.inventory import InventoryError, default_hosts_dir, load_inventory
-from flows.notes import NotesError, commit_notes, gather, notes_message, render_notes
-from flows.projection import ProjectionError, backtest
+from flows.backtest import backtests_of, refresh, store_backtest
+from flows.notes import (BACKTEST_COLUMNS, NotesError, backtest_cells, commit_notes, gather, notes_message,
+                         render_notes)
+from flows.projection import ProjectionError
 from flows.settings import REPO
 from flows.store import Store, StoreError, default_root
 
@@ -40,48 +42,56 @@ def notes(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir
                                       help="Commit the notes with git (only when they changed).")) -> None:
     """Regenerate docs/notes/ (one page per host, the fleet index, plots) from artifacts/ alone.
 
-    A host with no measured run gets a projected page, carried from the reference.
+    First stores what the pages read: a projection from the reference for every inventory host
+    without a measured run, and the backtests. Then renders from the store alone.
 
     The same inputs always give the same bytes, so a commit only happens when a figure changed.
     """
     try:
         store, inv = Store(artifacts or default_root()), load_inventory(hosts or default_hosts_dir())
-        views = gather(store, inv, reference)
-        paths = render_notes(store, inv, docs, reference)
-        sha = commit_notes(docs.resolve().parent, paths, notes_message(store, inv, reference), inv) \
+        failed = refresh(store, inv, reference)
+        views = gather(store, inv)
+        paths = render_notes(store, inv, docs)
+        sha = commit_notes(docs.resolve().parent, paths, notes_message(store, inv), inv) \
             if commit else None
     except EXPECTED as e:
         raise _fail(str(e)) from None
     for v in views:
-        out.print(f"{v.name}: {v.kind}" + (f" ({v.missing})" if v.missing else ""), highlight=False)
+        why = failed.get(v.name) or v.missing
+        out.print(f"{v.name}: {v.kind}" + (f" ({why})" if why and v.kind != "measured" else ""), highlight=False)
     out.print(f"{len(paths)} file(s) under {docs.name}/notes/"
               + (f"; committed {sha[:10]}" if sha else "; nothing to commit" if commit else ""), highlight=False)
 
 
 def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir) -> None:
-    """Project every measured host from every measured host and print the error per kernel family and e2e.
+    """Hold-out backtests of the projection on the measured data; prints them and stores them for the notes.
 
-    Error = projected / measured - 1, median and worst over the matched points.
+    composition: each e2e step from the kernel points; depth: the full-depth step from shallower runs;
+    size: held-out sizes from smaller ones; tp: a TP-N rank from TP-1; cross-host: each measured host
+    from every other (and imported outside figures).
 
-    "in band" is the share of measured points inside the projected low-high band.
-
-    A host projected from itself must show zero error: that row checks the projection's arithmetic.
+    Error = predicted / measured - 1, median and worst over the points; "in band" is the share of
+    measured points inside the predicted band; "goal" says by how much a row misses its goal.
     """
     try:
-        rows = backtest(Store(artifacts or default_root()), load_inventory(hosts or default_hosts_dir()))
+        store, inv = Store(artifacts or default_root()), load_inventory(hosts or default_hosts_dir())
+        rows = backtests_of(store, inv)
+        if not rows:
+            out.print("no measured data: record a reference (artifacts/reference/<name>/) or run a host first")
+            return
+        store_backtest(store, rows)
     except EXPECTED as e:
         raise _fail(str(e)) from None
-    if not rows:
-        out.print("no measured data: record a reference (artifacts/reference/<name>/) or run a host first")
-        return
-    table = Table(title="projection backtest (projected / measured - 1)")
-    for col in ("reference", "target", "family", "points", "median error", "worst error", "in band"):
-        table.add_column(col, no_wrap=True,
+    table = Table(title="projection backtests (predicted / measured - 1)")
+    for col in BACKTEST_COLUMNS:
+        table.add_column(col, overflow="fold",
                          justify="right" if col in ("points", "median error", "worst error", "in band") else "left")
-    for r in rows:
-        table.add_row(r.reference, r.target, r.family, str(r.points), f"{r.median_error:+.1%}",
-                      f"{r.worst_error:+.1%}", f"{r.in_band:.0%}")
+    skipped = []
+    for r, cells in zip(rows, backtest_cells(rows)):
+        if r.skipped:
+            skipped.append(f"{r.kind} {r.family} ({r.reference}): {r.detail}")
+            cells[-1] = "skipped"
+        table.add_row(*cells)
     out.print(table)
-    if len({r.target for r in rows}) < 2:
-        out.print("only one host has measured data: the table checks self-consistency; "
-                  "cross-host errors appear once a second host is measured", highlight=False)
+    for line in skipped:
+        out.print(f"skipped: {line}", highlight=False, soft_wrap=True)

@@ -1,46 +1,43 @@
-"""Roofline/Amdahl projection of a measured run onto another host's spec sheet, and its backtest.
+"""Roofline/Amdahl projection of measured tables onto another machine: a pure function of tables.
+
+`project(tables, reference, target)` takes a measured run's tables, the machine they ran on and
+the machine to project onto, and returns projected tables in the kdbench schema; nothing here reads
+or writes the store, talks to Prefect or writes prose. The assumptions travel as data (a list of
+records in every table's provenance, key `assumptions`) that the notes turn into sentences.
 
 The carrier from one machine to another is efficiency: how close each measured kernel point came
 to the reference's own ceilings. The ceilings are the reference's measured copy bandwidth and
 matmul throughput (runs.copy_gbps / matmul_tflops); the target's ceilings are its spec-sheet
-peaks scaled by the same measured-to-spec fraction, so projecting a host onto its own spec gives
+peaks scaled by the same measured-to-spec fraction, so projecting a machine onto itself gives
 back its measurements. Host-side work (a CPU kernel, Python, launch floors) does not scale with
-the GPU and is kept; communication follows an alpha-beta model of the target's links. Every figure
-carries a low-high band, and every record says `source = projected`.
+the GPU and is kept. An e2e row is one rank of a TP-N deployment: the target runs TP = its GPU
+count, a row of another degree is re-sharded, and communication is 2 all-reduces per layer times
+the layers over the target's own links (alpha-beta). Every figure carries a low-high band, and every
+record says `source = projected`.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NONE
 
 from engine.config import CONFIGS
 from engine.schema import provenance, to_table
-from flows.inventory import Host, Inventory, Spec
-from flows.store import Store
+from flows.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, TERM_FAMILIES, bound,
+                            e2e_key, family, host_side, point_key, preferred, regime, step_shapes, tp_of)
+from flows.inventory import Spec
 
-MEMORY, COMPUTE, HOST = "memory", "compute", "host"
 TERMS = ("draft_ms", "tree_build_ms", "verify_ms", "accept_ms", "other_ms", "comm_ms")
-POINT_KEY = ("kernel", "impl", "dtype", "M", "N", "K", "E", "top_k", "budget", "context", "batch")
 # What launching a GPU kernel costs on the host, kept as is on any target (capped at half a point's time).
 LAUNCH_FLOOR_US = 3.0
 # All-reduce constants used when the reference has no comm measurement of its own.
 DEFAULT_ALPHA_US = {"nvlink": 8.0, "pcie": 15.0}
 DEFAULT_LINK_EFF = (0.6, 0.75, 0.9)   # low, central, high fraction of the link's spec bandwidth
-# Kernel names as engine.bench writes them; the issue's family names are accepted as aliases.
-ALIASES = {"mla_verify": "mla_tree_attention", "tree_build": "build_tree"}
-# The torch references of the tree kernels are Python loops on the host: GPU speed does not move them.
-HOST_SIDE = {("build_tree", "torch"), ("tree_accept", "torch")}
-# Term of the e2e step -> kernel families whose projected/measured ratio scales it.
-TERM_FAMILIES = {"verify_ms": ("moe_w4a16", "mla_tree_attention"), "tree_build_ms": ("build_tree",),
-                 "accept_ms": ("tree_accept",)}
-E2E_CONTEXT = 512   # typical context of an e2e step (prompts of 256-512 tokens plus the new ones)
+ALLREDUCES_PER_LAYER = 2              # after attention and after the MoE
 
 
 class ProjectionError(Exception):
@@ -48,33 +45,25 @@ class ProjectionError(Exception):
 
 
 @dataclass(frozen=True)
-class Reference:
-    """One measured dataset used as the carrier, with the spec of the host it ran on."""
+class Machine:
+    """What a projection needs of a machine: its spec sheet, GPU count and links."""
 
     name: str
-    host: str
-    run_id: str
     spec: Spec
     gpus: int
     interconnect: str
-    tables: dict[str, pa.Table]
-
-    @property
-    def e2e_gpus(self) -> int:
-        """GPUs the e2e steps ran on: all of the host's when they paid for communication, else one."""
-        rows = self.tables["e2e"].to_pylist() if "e2e" in self.tables else []
-        return self.gpus if any((r["comm_ms"] or 0) > 0 for r in rows) else 1
 
 
-@dataclass
-class Projection:
-    """Projected tables of one target plus the assumptions written into them."""
+Tables = dict[str, pa.Table]
 
-    run_id: str
-    target: str
-    reference: Reference
-    tables: dict[str, pa.Table]
-    assumptions: list[str] = field(default_factory=list)
+
+def rows_of(tables: Tables, name: str) -> list[dict[str, Any]]:
+    return tables[name].to_pylist() if name in tables else []
+
+
+def assumptions(tables: Tables) -> list[dict[str, Any]]:
+    """The assumption records a projection stored with its tables."""
+    return list(provenance(tables["runs"]).get("assumptions", []))
 
 
 # -- ceilings -----------------------------------------------------------------------------------
@@ -126,65 +115,21 @@ def measured_ceilings(runs: pa.Table, spec: Spec) -> Ceilings:
                     mm / peak_tflops(spec, mm_dtype) if mm else 1.0, mm_dtype)
 
 
-def host_side(row: dict[str, Any]) -> bool:
-    """Points that run on the host whatever the GPU: CPU kernels and the Python tree references."""
-    return row["impl"] == "cpu" or (family(row["kernel"]), row["impl"]) in HOST_SIDE
-
-
-def family(kernel: str) -> str:
-    return ALIASES.get(kernel, kernel)
-
-
-# -- reference data -------------------------------------------------------------------------
-
-def load_reference(store: Store, inv: Inventory, name: str) -> Reference:
-    """A committed reference set `name`, else the latest complete measured run of host `name`."""
-    if name in store.references():
-        return as_reference(name, store.reference(name), inv)
-    runs = [r for r in store.runs(name) if r.source == "measured" and r.status == "complete"]
-    if not runs:
-        raise ProjectionError(
-            f"no reference data {name!r}: artifacts/reference/{name}/ is absent and host {name} "
-            "has no complete measured run in the store")
-    return as_reference(name, store.load(name, runs[-1].run_id), inv)
-
-
-def as_reference(name: str, tables: dict[str, pa.Table], inv: Inventory) -> Reference:
-    """Measured tables plus the spec sheet, GPU count and links of the host they ran on."""
-    row = tables["runs"].to_pylist()[0]
-    host_name, run_id = row["host"], row["run_id"]
-    host = inv.hosts.get(host_name)
-    spec_name = host.spec if host else host_name
-    if spec_name not in inv.specs:
-        raise ProjectionError(f"reference {name!r} ran on host {host_name!r}, whose spec sheet "
-                              f"{spec_name!r} is not in hosts/specs/")
-    return Reference(name=name, host=host_name, run_id=run_id, spec=inv.specs[spec_name],
-                     gpus=max(host.gpus, 1) if host else max(row["gpu_count"] or 1, 1),
-                     interconnect=host.interconnect if host else "none", tables=tables)
-
-
 # -- kernel points ------------------------------------------------------------------------------
-
-def point_key(row: dict[str, Any]) -> tuple:
-    return tuple(row.get(k) for k in POINT_KEY)
-
-
-def regime(t_bytes: float, t_flops: float) -> str:
-    return MEMORY if t_bytes >= t_flops else COMPUTE
-
 
 def _ideal_us(row: dict[str, Any], bw_gbps: float, tflops: float) -> tuple[float, float]:
     """Roofline times (us) of the point's bytes and flops at the given ceilings."""
     return row["bytes"] / (bw_gbps * 1e3), row["flops"] / (tflops * 1e6)
 
 
-def _floor(row: dict[str, Any]) -> float:
+def launch_floor(row: dict[str, Any]) -> float:
     return min(LAUNCH_FLOOR_US, 0.5 * row["time_us_p50"])
 
 
-def _own_effs(row: dict[str, Any], t_us: float, bw: float, tfl: float) -> tuple[float, float]:
+def own_effs(row: dict[str, Any], t_us: float, bw: float, tfl: float) -> tuple[float, float]:
+    """The point's efficiency on bandwidth and on flops: roofline time over the time above the floor."""
     tb, tf = _ideal_us(row, bw, tfl)
-    work = max(t_us - _floor(row), 1e-9)
+    work = max(t_us - launch_floor(row), 1e-9)
     return tb / work, tf / work
 
 
@@ -195,10 +140,10 @@ def family_effs(rows: Sequence[dict[str, Any]], ceil: Ceilings) -> dict[tuple, d
         if host_side(r):
             continue
         bw, tfl = ceil.of(r["dtype"])
-        e_bw, e_fl = _own_effs(r, r["time_us_p50"], bw, tfl)
+        e_bw, e_fl = own_effs(r, r["time_us_p50"], bw, tfl)
         fam = out.setdefault((r["kernel"], r["impl"], r["dtype"]), {MEMORY: [], COMPUTE: []})
-        bound = regime(*_ideal_us(r, bw, tfl))
-        fam[bound].append(e_bw if bound == MEMORY else e_fl)
+        which = bound(*_ideal_us(r, bw, tfl))
+        fam[which].append(e_bw if which == MEMORY else e_fl)
     return out
 
 
@@ -214,53 +159,46 @@ def project_point(row: dict[str, Any], ref: tuple[float, float], tgt: tuple[floa
         t = row["time_us_p50"]
         return {"time_us_p50": t, "time_us_low": row["time_us_p10"] or t,
                 "time_us_high": row["time_us_p90"] or t, "regime": HOST, "reference_regime": HOST}
-    floor = _floor(row)
+    if regime(row, *ref) == LATENCY:   # kept; the band reaches the roofline-scaled time
+        t, floor = row["time_us_p50"], launch_floor(row)
+        at_ref, at_tgt = max(_ideal_us(row, *ref)), max(_ideal_us(row, *tgt))
+        scaled = floor + (t - floor) * at_tgt / at_ref if at_ref else t
+        return {"time_us_p50": t, "time_us_low": min(row["time_us_p10"] or t, scaled),
+                "time_us_high": max(row["time_us_p90"] or t, scaled), "regime": LATENCY,
+                "reference_regime": LATENCY}
+    floor = launch_floor(row)
     tb_ref, tf_ref = _ideal_us(row, *ref)
     tb_tgt, tf_tgt = _ideal_us(row, *tgt)
-    bound = regime(tb_ref, tf_ref)
-    other = COMPUTE if bound == MEMORY else MEMORY
+    which = bound(tb_ref, tf_ref)
+    other = COMPUTE if which == MEMORY else MEMORY
     borrowed = sorted((fam or {}).get(other, []))
     cands = [statistics.median(borrowed), borrowed[0], borrowed[-1]] if borrowed else [None]
     times = [row[k] for k in ("time_us_p50", "time_us_p10", "time_us_p90") if row.get(k)]
     results = []
     for t in times:
-        e_bw, e_fl = _own_effs(row, t, *ref)
-        e_bind = e_bw if bound == MEMORY else e_fl
+        e_bw, e_fl = own_effs(row, t, *ref)
+        e_bind = e_bw if which == MEMORY else e_fl
         for c in cands:
-            e_other = max(e_fl if bound == MEMORY else e_bw, c if c is not None else e_bind)
-            eb, ef = (e_bind, e_other) if bound == MEMORY else (e_other, e_bind)
+            e_other = max(e_fl if which == MEMORY else e_bw, c if c is not None else e_bind)
+            eb, ef = (e_bind, e_other) if which == MEMORY else (e_other, e_bind)
             a = tb_tgt / eb if tb_tgt else 0.0
             b = tf_tgt / ef if tf_tgt else 0.0
-            results.append((max(a, b) + floor, regime(a, b)))
+            results.append((max(a, b) + floor, bound(a, b)))
     t, reg = results[0]
     every = [x for x, _ in results]
     return {"time_us_p50": t, "time_us_low": min(every), "time_us_high": max(every),
-            "regime": reg, "reference_regime": bound}
+            "regime": reg, "reference_regime": which}
 
 
-@dataclass(frozen=True)
-class Target:
-    """What the projection needs of the target: its spec sheet, GPU count and links."""
-
-    name: str
-    spec: Spec
-    gpus: int
-    interconnect: str
-
-
-def project_kernels(ref: Reference, target: Target, run_id: str) -> list[dict[str, Any]]:
-    if "kernels" not in ref.tables:
-        return []
-    ref_c = measured_ceilings(ref.tables["runs"], ref.spec)
-    tgt_c = ref_c.carried_to(target.spec)
-    rows = [r for r in ref.tables["kernels"].to_pylist() if r["source"] == "measured"]
+def project_kernels(rows: list[dict[str, Any]], ref_c: Ceilings, tgt_c: Ceilings, target: Machine,
+                    run_id: str, ref_run_id: str) -> list[dict[str, Any]]:
     fams = family_effs(rows, ref_c)
     out = []
     for r in rows:
         p = project_point(r, ref_c.of(r["dtype"]), tgt_c.of(r["dtype"]),
                           fams.get((r["kernel"], r["impl"], r["dtype"])))
         t = p["time_us_p50"]
-        out.append({**r, **p, "run_id": run_id, "source": "projected", "reference_run_id": ref.run_id,
+        out.append({**r, **p, "run_id": run_id, "source": "projected", "reference_run_id": ref_run_id,
                     "device": "cpu" if target.spec.arch == "cpu" else "cuda",
                     "time_us_p10": None, "time_us_p90": None,
                     "achieved_gbps": r["bytes"] / (t * 1e3), "achieved_tflops": r["flops"] / (t * 1e6)})
@@ -292,18 +230,18 @@ class CommModel:
     n: int
     calibrated: bool
 
-    def time_us(self, nbytes: float, which: int = 1) -> float:
-        if self.n <= 1 or not self.link_gbps:
+    def time_us(self, nbytes: float, which: int = 1, n: int | None = None) -> float:
+        n = self.n if n is None else n
+        if n <= 1 or not self.link_gbps:
             return 0.0
-        return allreduce_us(nbytes, self.n, self.alpha_us, self.link_gbps * self.effs[which])
+        return allreduce_us(nbytes, n, self.alpha_us, self.link_gbps * self.effs[which])
 
 
-def comm_model(ref: Reference, target: Target) -> CommModel:
+def comm_model(comm_rows: list[dict[str, Any]], ref: Machine, target: Machine) -> CommModel:
     """Alpha and link efficiency from the reference's all-reduce measurements, else defaults."""
     link = link_gbps(target.spec, target.interconnect)
-    rows = [r for r in ref.tables["comm"].to_pylist()
-            if r["op"] == "all_reduce" and r["status"] == "ok" and r["time_us_p50"] and r["busbw_gbps"]] \
-        if "comm" in ref.tables else []
+    rows = [r for r in comm_rows
+            if r["op"] == "all_reduce" and r["status"] == "ok" and r["time_us_p50"] and r["busbw_gbps"]]
     ref_link = link_gbps(ref.spec, ref.interconnect)
     if rows and ref_link:
         small = min(r["bytes"] for r in rows)
@@ -331,6 +269,14 @@ def project_comm(model: CommModel, run_id: str) -> list[dict[str, Any]]:
     return out
 
 
+def step_comm_us(row: dict[str, Any], model: CommModel, n: int, which: int = 1) -> float:
+    """One step's all-reduces: 2 per layer of tokens x hidden x 2 bytes, over a ring of n ranks."""
+    cfg = CONFIGS.get(row["config"].split("/")[0], CONFIGS["k2"])
+    tokens = row["concurrency"] * (row["budget"] + 1)
+    count = ALLREDUCES_PER_LAYER * (row["layers"] or cfg.layers)
+    return count * model.time_us(tokens * cfg.hidden * 2, which, n)
+
+
 # -- end to end ---------------------------------------------------------------------------------
 
 def breakdown(row: dict[str, Any]) -> dict[str, float]:
@@ -342,73 +288,124 @@ def breakdown(row: dict[str, Any]) -> dict[str, float]:
     return terms
 
 
-def _nearest(rows: list[dict[str, Any]], want: dict[str, float]) -> dict[str, Any] | None:
+def has_split(row: dict[str, Any]) -> bool:
+    """Whether the row says how its step divides (an outside serving figure does not)."""
+    return any(row.get(t) is not None for t in TERMS)
+
+
+def nearest(rows: list[dict[str, Any]], want: dict[str, float]) -> dict[str, Any] | None:
     def dist(r: dict[str, Any]) -> tuple:
         return (sum(abs((r.get(k) or 0) - v) / max(v, 1) for k, v in want.items()), point_key(r))
     return min(rows, key=dist) if rows else None
 
 
+def _picked(rows: list[dict[str, Any]], fam: str, shape: dict[str, float], tp: int) -> dict[str, Any] | None:
+    """The point of a family nearest to a step's shape, at TP degree tp (full shapes when absent)."""
+    cands = [r for r in rows if family(r["kernel"]) == fam and not host_side(r)]
+    at_tp = [r for r in cands if tp_of(r) == tp] or [r for r in cands if tp_of(r) == 1]
+    return nearest(preferred(at_tp), shape)
+
+
 def term_ratios(kern: list[dict[str, Any]], proj: list[dict[str, Any]],
                 e2e: dict[str, Any]) -> dict[str, tuple[float, float, float]]:
     """Projected/measured time ratio (central, low, high) of each GPU term of one e2e point."""
-    pairs = [(m, p) for m, p in zip(kern, proj) if not host_side(m)]
-    conc, budget = e2e["concurrency"], e2e["budget"]
-    shape = {"moe_w4a16": {"M": conc * (budget + 1)},
-             "mla_tree_attention": {"batch": conc, "budget": budget, "context": E2E_CONTEXT},
-             "build_tree": {"batch": conc, "budget": budget}, "tree_accept": {"batch": conc, "budget": budget}}
+    by_key = {point_key(m): p for m, p in zip(kern, proj)}
+    shapes = step_shapes(e2e)
     out: dict[str, tuple[float, float, float]] = {}
     for term, families in TERM_FAMILIES.items():
-        picked = []
-        for fam in families:
-            cands = [(m, p) for m, p in pairs if family(m["kernel"]) == fam]
-            prefer = [c for c in cands if c[0]["impl"] == "triton"] or cands
-            best = _nearest([m for m, _ in prefer], shape[fam])
-            picked += [(m, p) for m, p in prefer if m is best]
+        picked = [m for fam in families for m in [_picked(kern, fam, shapes[fam], tp_of(e2e))] if m]
         if picked:
-            ref_t = sum(m["time_us_p50"] for m, _ in picked)
-            out[term] = tuple(sum(p[k] for _, p in picked) / ref_t
+            ref_t = sum(m["time_us_p50"] for m in picked)
+            out[term] = tuple(sum(by_key[point_key(m)][k] for m in picked) / ref_t
                               for k in ("time_us_p50", "time_us_low", "time_us_high"))
     # the block drafter streams its weights for a few tokens: it scales like the memory-bound points
     mem = sorted((p["time_us_p50"] / m["time_us_p50"], p["time_us_low"] / m["time_us_p50"],
-                  p["time_us_high"] / m["time_us_p50"]) for m, p in pairs if p["reference_regime"] == MEMORY)
+                  p["time_us_high"] / m["time_us_p50"])
+                 for m, p in zip(kern, proj) if p["reference_regime"] == MEMORY)
     if mem:
         c = statistics.median(x[0] for x in mem)
         out["draft_ms"] = (c, min(x[1] for x in mem), max(x[2] for x in mem))
     return out
 
 
-def project_e2e(ref: Reference, target: Target, run_id: str, kern: list[dict[str, Any]],
-                proj: list[dict[str, Any]], comm: CommModel) -> list[dict[str, Any]]:
-    """Carry each measured step over term by term: GPU terms by their kernels' ratios, host terms kept,
-    comm from the target's links (scaled by how the reference's own comm compared with the model)."""
-    if "e2e" not in ref.tables:
-        return []
-    at_ref = comm_model(ref, Target(ref.host, ref.spec, ref.e2e_gpus, ref.interconnect))
+def reshard_ratio(group: list[dict[str, Any]], src: dict[str, Any], tp: int,
+                  kern: list[dict[str, Any]]) -> tuple[tuple[float, float, float], str]:
+    """verify on one rank at TP `tp` over verify at the source row's TP (central, low, high) and how.
+
+    fit: two measured degrees of the same point give verify = fixed + sharded / tp;
+    kernels: the verify families' points at both shard shapes; bytes: everything shards (1/N),
+    with the band reaching no speed-up at all.
+    """
+    src_tp = tp_of(src)
+    others = [r for r in group if tp_of(r) != src_tp and r.get("verify_ms")]
+    if others and src.get("verify_ms"):
+        o = others[0]
+        a, b = 1 / src_tp, 1 / tp_of(o)
+        sharded = (src["verify_ms"] - o["verify_ms"]) / (a - b)
+        fixed = src["verify_ms"] - sharded * a
+        r = max(fixed + sharded / tp, 0.0) / src["verify_ms"]
+        return (r, r, r), "fit"
+    shapes = step_shapes(src)
+    num = den = 0.0
+    for fam in TERM_FAMILIES["verify_ms"]:
+        here = [k for k in kern if family(k["kernel"]) == fam and tp_of(k) == src_tp]
+        there = [k for k in kern if family(k["kernel"]) == fam and tp_of(k) == tp]
+        a, b = nearest(preferred(here), shapes[fam]), nearest(preferred(there), shapes[fam])
+        if a and b:
+            den, num = den + a["time_us_p50"], num + b["time_us_p50"]
+    if den:
+        r = num / den
+        return (r, r, r), "kernels"
+    r = src_tp / tp
+    return (r, min(r, 1.0), max(r, 1.0)), "bytes"
+
+
+def choose_rows(rows: list[dict[str, Any]], tp: int) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """Per e2e point, the row a TP-`tp` target is carried from (same degree if measured), with its group."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(e2e_key(r, without=("tp",)), []).append(r)
     out = []
-    for r in ref.tables["e2e"].to_pylist():
-        if r["source"] != "measured" or not r["step_ms_p50"]:
-            continue
-        cfg = CONFIGS.get(r["config"].split("/")[0], CONFIGS["k2"])
+    for key in sorted(groups, key=repr):
+        g = groups[key]
+        out.append((min(g, key=lambda r: (abs(tp_of(r) - tp), -tp_of(r))), g))
+    return out
+
+
+def project_e2e(rows: list[dict[str, Any]], kern: list[dict[str, Any]], proj: list[dict[str, Any]],
+                at_ref: CommModel, comm: CommModel, target: Machine, run_id: str,
+                ref_run_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Carry each measured step over term by term, as one rank of a TP-(target GPUs) deployment.
+
+    GPU terms scale by their kernels' ratios, verify is re-sharded when the row ran at another
+    degree, host terms are kept, comm is modelled over the target's links (scaled by how the
+    reference's own measured comm compared with the model). Returns the rows and, per source
+    degree, how it was carried.
+    """
+    tp = max(target.gpus, 1)
+    out, how = [], {}
+    for r, group in choose_rows([r for r in rows if has_split(r) and r["step_ms_p50"]], tp):
         ratios = term_ratios(kern, proj, r)
-        split = ref.e2e_gpus / max(target.gpus, 1)   # tensor parallel: the target forward divides over the GPUs
+        shard, way = ((1.0, 1.0, 1.0), "same") if tp_of(r) == tp else reshard_ratio(group, r, tp, kern)
+        entry = how.setdefault(tp_of(r), {"from_tp": tp_of(r), "how": way, "points": 0})
+        entry["points"] += 1
         terms = breakdown(r)
-        cols = {}
-        bands = {"low": 0.0, "high": 0.0}
+        cols, lo_sum, hi_sum = {}, 0.0, 0.0
         for term, ms in terms.items():
             if term == "comm_ms":
-                tokens = r["concurrency"] * (r["budget"] + 1)
-                nbytes = tokens * cfg.hidden * 2
-                count = 2 * (r["layers"] or cfg.layers)
-                modelled = at_ref.time_us(nbytes) * count / 1e3
-                fix = ms / modelled if ms > 0 and modelled > 0 else 1.0   # measured comm corrects the model
-                c, lo, hi = (fix * count * comm.time_us(nbytes, i) / 1e3 for i in (1, 2, 0))
+                measured = r.get("comm_source") == "measured" or (r.get("comm_source") is None and ms > 0)
+                modelled = step_comm_us(r, at_ref, tp_of(r)) / 1e3
+                fix = ms / modelled if measured and ms > 0 and modelled > 0 and tp_of(r) == tp else 1.0
+                c, lo, hi = (fix * step_comm_us(r, comm, tp, i) / 1e3 for i in (1, 2, 0))
+            elif term == "verify_ms":
+                c, lo, hi = (ms * x * s for x, s in zip(ratios.get(term, (1.0, 1.0, 1.0)), shard))
             elif term in ratios:
-                c, lo, hi = (ms * x * (split if term == "verify_ms" else 1.0) for x in ratios[term])
+                c, lo, hi = (ms * x for x in ratios[term])
             else:
                 c = lo = hi = ms
             cols[term] = c
-            bands["low"] += lo
-            bands["high"] += hi
+            lo_sum += lo
+            hi_sum += hi
         step = sum(cols.values())
         # tokens/s = tokens per step x concurrency / step time; the reference's measured tokens/s
         # already holds its tokens per step (accepted drafts + 1 bonus), so only the step changes
@@ -416,13 +413,14 @@ def project_e2e(ref: Reference, target: Target, run_id: str, kern: list[dict[str
         tps = r["tokens_per_s"] * sum(terms.values()) / step if r["tokens_per_s"] else \
             per_step * r["concurrency"] / step * 1e3
         scale = tps * step
-        out.append({**{k: r[k] for k in ("config", "layers", "concurrency", "budget", "synthetic_accept",
-                                          "accept_len_mean")},
-                    **cols, "run_id": run_id, "device": "cpu" if target.spec.arch == "cpu" else "cuda",
+        out.append({**{k: r.get(k) for k in ("config", "layers", "concurrency", "budget", "synthetic_accept",
+                                              "accept_len_mean", "weight_sets", "vocab")},
+                    **cols, "tp": tp, "comm_source": "modelled" if tp > 1 else "none",
+                    "run_id": run_id, "device": "cpu" if target.spec.arch == "cpu" else "cuda",
                     "step_ms_p50": step, "tokens_per_s": tps,
-                    "tokens_per_s_low": scale / bands["high"], "tokens_per_s_high": scale / bands["low"],
-                    "source": "projected", "reference_run_id": ref.run_id})
-    return out
+                    "tokens_per_s_low": scale / hi_sum, "tokens_per_s_high": scale / lo_sum,
+                    "source": "projected", "reference_run_id": ref_run_id})
+    return out, [how[k] for k in sorted(how)]
 
 
 # -- whole projection ---------------------------------------------------------------------------
@@ -432,198 +430,120 @@ def projected_run_id(target: str, ref_run_id: str) -> str:
     return f"proj-{target}-from-{ref_run_id}"[:128]
 
 
-def project(refs: Sequence[Reference], target: Target) -> Projection:
-    """Project onto `target` from refs[0]; further references widen the band point by point."""
-    if not refs:
-        raise ProjectionError(f"no reference to project {target.name} from")
-    ref = refs[0]
-    run_id = projected_run_id(target.name, ref.run_id)
-    kern = [r for r in ref.tables["kernels"].to_pylist() if r["source"] == "measured"] \
-        if "kernels" in ref.tables else []
-    kproj = project_kernels(ref, target, run_id)
-    for extra in refs[1:]:
-        other = {point_key(p): p for p in project_kernels(extra, target, run_id)}
-        for p in kproj:
+@dataclass
+class _Parts:
+    run_id: str
+    kern: list[dict[str, Any]]
+    kproj: list[dict[str, Any]]
+    eproj: list[dict[str, Any]]
+    tp_how: list[dict[str, Any]]
+    comm: CommModel
+    ref_c: Ceilings
+    tgt_c: Ceilings
+    skipped_e2e: int
+
+
+def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str) -> _Parts:
+    if "runs" not in tables:
+        raise ProjectionError(f"reference from {ref.name} has no runs table")
+    ref_run_id = tables["runs"].column("run_id")[0].as_py()
+    ref_c = measured_ceilings(tables["runs"], ref.spec)
+    tgt_c = ref_c.carried_to(target.spec)
+    kern = [r for r in rows_of(tables, "kernels") if r["source"] == "measured"]
+    kproj = project_kernels(kern, ref_c, tgt_c, target, run_id, ref_run_id)
+    comm_rows = rows_of(tables, "comm")
+    comm = comm_model(comm_rows, ref, target)
+    at_ref = comm_model(comm_rows, ref, ref)
+    e2e = [r for r in rows_of(tables, "e2e") if r["source"] == "measured"]
+    eproj, how = project_e2e(e2e, kern, kproj, at_ref, comm, target, run_id, ref_run_id)
+    return _Parts(run_id, kern, kproj, eproj, how, comm, ref_c, tgt_c,
+                  sum(1 for r in e2e if not has_split(r)))
+
+
+def project(tables: Tables, ref: Machine, target: Machine,
+            also: Sequence[tuple[Tables, Machine]] = ()) -> Tables:
+    """The reference's measured tables carried onto `target`; further references widen the band."""
+    ref_runs = tables["runs"].to_pylist() if "runs" in tables else []
+    if not ref_runs:
+        raise ProjectionError(f"reference from {ref.name} has no runs rows")
+    ref_run_id = ref_runs[0]["run_id"]
+    run_id = projected_run_id(target.name, ref_run_id)
+    main = _parts(tables, ref, target, run_id)
+    extras = [_parts(t, m, target, run_id) for t, m in also]
+    for x in extras:
+        other = {point_key(p): p for p in x.kproj}
+        for p in main.kproj:
             o = other.get(point_key(p))
             if o:
                 p["time_us_low"] = min(p["time_us_low"], o["time_us_low"], o["time_us_p50"])
                 p["time_us_high"] = max(p["time_us_high"], o["time_us_high"], o["time_us_p50"])
-    comm = comm_model(ref, target)
-    eproj = project_e2e(ref, target, run_id, kern, kproj, comm)
-    for extra in refs[1:]:
-        ek = [r for r in extra.tables["kernels"].to_pylist() if r["source"] == "measured"] \
-            if "kernels" in extra.tables else []
-        other = {(e["config"], e["concurrency"], e["budget"]): e for e in project_e2e(
-            extra, target, run_id, ek, project_kernels(extra, target, run_id), comm_model(extra, target))}
-        for e in eproj:
-            o = other.get((e["config"], e["concurrency"], e["budget"]))
+        other = {e2e_key(e): e for e in x.eproj}
+        for e in main.eproj:
+            o = other.get(e2e_key(e))
             if o:
                 e["tokens_per_s_low"] = min(e["tokens_per_s_low"], o["tokens_per_s_low"], o["tokens_per_s"])
                 e["tokens_per_s_high"] = max(e["tokens_per_s_high"], o["tokens_per_s_high"], o["tokens_per_s"])
-    ref_c = measured_ceilings(ref.tables["runs"], ref.spec)
-    tgt_c = ref_c.carried_to(target.spec)
-    assumptions = assumptions_text(ref, target, ref_c, tgt_c, comm, refs)
-    prov_ref = provenance(ref.tables["runs"])
+    refs = [ref_run_id] + [t["runs"].column("run_id")[0].as_py() for t, _ in also]
+    records = assumption_records(ref, target, ref_run_id, main, refs)
+    prov_ref = provenance(tables["runs"])
     spec_figs = target.spec.model_dump(exclude={"sources"})
+    device = "cpu" if target.spec.arch == "cpu" else "cuda"
     prov = {"run_id": run_id, "host": target.name, "gpu_name": target.spec.gpu, "gpu_count": target.gpus,
-            "arch": target.spec.arch, "device": "cpu" if target.spec.arch == "cpu" else "cuda",
+            "arch": target.spec.arch, "device": device,
             "started_at": prov_ref.get("started_at"), "ended_at": prov_ref.get("ended_at"),
-            "reference_run_id": ref.run_id, "reference_host": ref.host,
-            "references": [x.run_id for x in refs], "spec": spec_figs, "assumptions": assumptions}
-    ref_runs = ref.tables["runs"].to_pylist()
+            "reference_run_id": ref_run_id, "reference_host": ref.name, "references": refs,
+            "spec": spec_figs, "assumptions": records}
     if target.gpus > 1 and not any(r["suite"] == "comm" for r in ref_runs):
         ref_runs.append({**ref_runs[0], "suite": "comm"})
+    comm_rows = project_comm(main.comm, run_id)
     runs = []
     for r in ref_runs:
         suite = r["suite"]
-        n = {"kernels": len(kproj), "e2e": len(eproj)}.get(suite, 0)
-        status = "complete"
-        if suite == "comm":
-            rows = project_comm(comm, run_id)
-            status = "skipped" if rows[0]["status"] == "skipped" else "complete"
-            n = len(rows)
+        n = {"kernels": len(main.kproj), "e2e": len(main.eproj), "comm": len(comm_rows)}.get(suite, 0)
+        status = "skipped" if suite == "comm" and comm_rows[0]["status"] == "skipped" else "complete"
         runs.append({"run_id": run_id, "host": target.name, "suite": suite, "profile": r["profile"],
                      "status": status, "gpu_name": target.spec.gpu, "gpu_count": target.gpus,
-                     "arch": target.spec.arch, "device": prov["device"], "started_at": r["started_at"],
-                     "ended_at": r["ended_at"], "copy_gbps": tgt_c.gbps, "matmul_tflops": tgt_c.tflops(),
+                     "arch": target.spec.arch, "device": device, "started_at": r["started_at"],
+                     "ended_at": r["ended_at"], "copy_gbps": main.tgt_c.gbps, "matmul_tflops": main.tgt_c.tflops(),
                      "points": n, "source": "projected",
-                     "note": json.dumps({"reference_run_id": ref.run_id, "spec": spec_figs,
-                                         "assumptions": assumptions}, sort_keys=True)})
-    tables = {"runs": to_table("runs", runs, prov)}
-    if "kernels" in ref.tables:
-        tables["kernels"] = to_table("kernels", kproj, prov)
-    if "e2e" in ref.tables:
-        tables["e2e"] = to_table("e2e", eproj, prov)
+                     "note": json.dumps({"reference_run_id": ref_run_id, "spec": spec_figs,
+                                         "assumptions": records}, sort_keys=True)})
+    out = {"runs": to_table("runs", runs, prov)}
+    if "kernels" in tables:
+        out["kernels"] = to_table("kernels", main.kproj, prov)
+    if "e2e" in tables:
+        out["e2e"] = to_table("e2e", main.eproj, prov)
     if any(r["suite"] == "comm" for r in runs):
-        tables["comm"] = to_table("comm", project_comm(comm, run_id), prov)
-    return Projection(run_id=run_id, target=target.name, reference=ref, tables=tables,
-                      assumptions=assumptions)
+        out["comm"] = to_table("comm", comm_rows, prov)
+    return out
 
 
-def assumptions_text(ref: Reference, target: Target, ref_c: Ceilings, tgt_c: Ceilings, comm: CommModel,
-                     refs: Sequence[Reference]) -> list[str]:
-    """The projection's assumptions in words, stored with the records and printed in the notes."""
-    dt = DTYPE_KEYS.get(ref_c.mm_dtype, ref_c.mm_dtype)
-    lines = [
-        f"reference {ref.host} run {ref.run_id} on {ref.spec.gpu}: measured ceilings {ref_c.gbps:.4g} GB/s copy "
-        f"({ref_c.bw_frac:.1%} of its {ref.spec.mem_bw_gbps:.4g} GB/s spec) and {ref_c.tflops():.4g} TFLOP/s "
-        f"{dt} matmul ({ref_c.fl_frac:.1%} of its {peak_tflops(ref.spec, ref_c.mm_dtype):.4g} spec)",
-        f"target {target.name} on {target.spec.gpu}: the same fractions of its spec sheet give "
-        f"{tgt_c.gbps:.4g} GB/s and {tgt_c.tflops():.4g} TFLOP/s {dt}",
-        "each kernel point keeps its measured efficiency on the resource that bounds it; the other "
-        "resource borrows its kernel family's efficiency (band: the family's min to max)",
-        f"a launch floor of up to {LAUNCH_FLOOR_US:g} us per kernel, CPU kernels and the Python tree "
-        "references are kept as measured",
-        "e2e: draft scales like the memory-bound kernel points, verify like MoE W4A16 + MLA at the step's "
-        "token count, tree build and accept like their kernels; other (Python, host) is kept",
+def assumption_records(ref: Machine, target: Machine, ref_run_id: str, p: _Parts,
+                       refs: list[str]) -> list[dict[str, Any]]:
+    """What the projection assumed, as records (`what` names the kind); the notes word them."""
+    dt = DTYPE_KEYS.get(p.ref_c.mm_dtype, p.ref_c.mm_dtype)
+    recs: list[dict[str, Any]] = [
+        {"what": "reference_ceilings", "host": ref.name, "run_id": ref_run_id, "gpu": ref.spec.gpu,
+         "copy_gbps": p.ref_c.gbps, "copy_fraction": p.ref_c.bw_frac, "spec_gbps": ref.spec.mem_bw_gbps,
+         "matmul_tflops": p.ref_c.tflops(), "matmul_fraction": p.ref_c.fl_frac,
+         "spec_tflops": peak_tflops(ref.spec, p.ref_c.mm_dtype), "dtype": dt},
+        {"what": "target_ceilings", "host": target.name, "gpu": target.spec.gpu, "copy_gbps": p.tgt_c.gbps,
+         "matmul_tflops": p.tgt_c.tflops(), "dtype": dt},
+        {"what": "kernel_carrier", "bound": "own efficiency", "other": "family efficiency",
+         "band": "family min to max"},
+        {"what": "kept", "launch_floor_us": LAUNCH_FLOOR_US, "latency_share": LATENCY_SHARE,
+         "host_side": sorted({"*/cpu"} | {f"{k}/{i}" for k, i in HOST_SIDE})},
+        {"what": "e2e_terms", "terms": {t: list(f) for t, f in TERM_FAMILIES.items()},
+         "draft_ms": "memory-bound kernel points", "kept": ["other_ms"]},
+        {"what": "tensor_parallel", "target_tp": max(target.gpus, 1), "gpus": target.gpus, "rows": p.tp_how},
     ]
     if target.gpus > 1:
-        link = f"{comm.link_gbps:.0f} GB/s {target.interconnect}" if comm.link_gbps else "no link figure"
-        how = "calibrated on the reference's all-reduce" if comm.calibrated else "default constants"
-        lines.append(f"{target.gpus} GPUs tensor parallel: verify divides by {target.gpus} (draft, tree and "
-                     f"accept run replicated); comm = 2 "
-                     f"all-reduces per layer of tokens x hidden x 2 bytes, alpha {comm.alpha_us:g} us, "
-                     f"{comm.effs[1]:.0%} ({comm.effs[0]:.0%}-{comm.effs[2]:.0%}) of {link} ({how})")
-    else:
-        lines.append("one GPU: no communication term")
-    lines.append("band: the reference's p10-p90 times" + (
-        f" and the spread across {len(refs)} references" if len(refs) > 1 else ""))
-    return lines
-
-
-def target_of(inv: Inventory, name: str) -> Target:
-    host: Host | None = inv.hosts.get(name)
-    spec_name = host.spec if host else name
-    if spec_name not in inv.specs:
-        raise ProjectionError(f"host {name!r}: spec sheet {spec_name!r} not found in hosts/specs/")
-    return Target(name=name, spec=inv.specs[spec_name], gpus=max(host.gpus, 1) if host else 1,
-                  interconnect=host.interconnect if host else "none")
-
-
-def project_host(store: Store, inv: Inventory, target: str, reference: str = "h200",
-                 also: Sequence[str] = ()) -> str:
-    """Project `target` from the reference (plus `also` for the band), store it, return the run id."""
-    refs = [load_reference(store, inv, name) for name in (reference, *also)]
-    proj = project(refs, target_of(inv, target))
-    store.put_tables(target, proj.run_id, proj.tables)
-    return proj.run_id
-
-
-@task(name="project", cache_policy=NONE)
-def project_task(store_root: str, hosts_dir: str, target: str, reference: str = "h200") -> str:
-    """Prefect wrapper of project_host for the flows (store and inventory rebuilt from paths)."""
-    from pathlib import Path
-
-    from flows.inventory import load_inventory
-    return project_host(Store(store_root), load_inventory(Path(hosts_dir)), target, reference)
-
-
-# -- backtest -----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class BacktestRow:
-    reference: str
-    target: str
-    family: str             # kernel family "kernel/impl", or "e2e tokens/s"
-    points: int
-    median_error: float     # projected / measured - 1, median over matched points
-    worst_error: float      # the largest |error|, signed
-    in_band: float          # fraction of measured points inside the projected band
-
-
-def measured_datasets(store: Store, inv: Inventory) -> list[Reference]:
-    """The newest complete measured data of every host: its latest store run, else a committed reference."""
-    by_host: dict[str, Reference] = {}
-    for name in store.references():
-        ref = as_reference(name, store.reference(name), inv)
-        by_host.setdefault(ref.host, ref)
-    for info in store.runs():   # oldest first, so the newest run of a host wins
-        if info.source == "measured" and info.status == "complete":
-            try:
-                by_host[info.host] = as_reference(info.host, store.load(info.host, info.run_id), inv)
-            except ProjectionError:
-                continue
-    return [by_host[h] for h in sorted(by_host)]
-
-
-def _errors(pairs: Iterable[tuple[float, float, float, float]]) -> tuple[int, float, float, float]:
-    errs, inside = [], 0
-    for meas, proj, lo, hi in pairs:
-        errs.append(proj / meas - 1)
-        inside += lo <= meas <= hi
-    worst = max(errs, key=abs)
-    return len(errs), statistics.median(errs), worst, inside / len(errs)
-
-
-def backtest(store: Store, inv: Inventory) -> list[BacktestRow]:
-    """Project every measured host from every measured host (itself included, as a consistency check)."""
-    data = measured_datasets(store, inv)
-    rows: list[BacktestRow] = []
-    for ref in data:
-        for tgt in data:
-            # the target as it was measured: e2e on as many GPUs as its measurement used
-            proj = project([ref], Target(tgt.host, tgt.spec, tgt.e2e_gpus, tgt.interconnect))
-            rows += compare(ref.host, tgt.host, proj.tables, tgt.tables)
-    return rows
-
-
-def compare(ref: str, target: str, proj: dict[str, pa.Table], meas: dict[str, pa.Table]) -> list[BacktestRow]:
-    """Projection error per kernel family and for e2e tokens/s, on the points both sides have."""
-    out = []
-    if "kernels" in proj and "kernels" in meas:
-        got = {point_key(p): p for p in proj["kernels"].to_pylist()}
-        fams: dict[str, list[tuple[float, float, float, float]]] = {}
-        for m in meas["kernels"].to_pylist():
-            p = got.get(point_key(m))
-            if p:
-                fams.setdefault(f"{m['kernel']}/{m['impl']}", []).append(
-                    (m["time_us_p50"], p["time_us_p50"], p["time_us_low"], p["time_us_high"]))
-        out += [BacktestRow(ref, target, f, *_errors(v)) for f, v in sorted(fams.items())]
-    if "e2e" in proj and "e2e" in meas:
-        got = {(e["config"], e["concurrency"], e["budget"]): e for e in proj["e2e"].to_pylist()}
-        pairs = [(m["tokens_per_s"], p["tokens_per_s"], p["tokens_per_s_low"], p["tokens_per_s_high"])
-                 for m in meas["e2e"].to_pylist() if m["tokens_per_s"]
-                 for p in [got.get((m["config"], m["concurrency"], m["budget"]))] if p]
-        if pairs:
-            out.append(BacktestRow(ref, target, "e2e tokens/s", *_errors(pairs)))
-    return out
+        recs.append({"what": "comm", "gpus": target.gpus, "interconnect": target.interconnect,
+                     "link_gbps": p.comm.link_gbps, "alpha_us": p.comm.alpha_us,
+                     "efficiency": p.comm.effs[1], "efficiency_low": p.comm.effs[0],
+                     "efficiency_high": p.comm.effs[2], "calibrated": p.comm.calibrated,
+                     "allreduces_per_layer": ALLREDUCES_PER_LAYER})
+    if p.skipped_e2e:
+        recs.append({"what": "e2e_without_split", "rows": p.skipped_e2e})
+    recs.append({"what": "band", "references": refs})
+    return recs

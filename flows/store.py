@@ -5,6 +5,7 @@ Layout under the root (a local path or any pyarrow filesystem URI such as s3://b
     runs/host=<host>/run=<run_id>/<table>.arrow     one file per result table of that run
     runs/host=<host>/run=<run_id>/_manifest.json    sha256 per file ("_": dataset discovery skips it)
     runs/_index.jsonl                               one line per run, sorted ("_" for the same reason)
+    backtest/backtest.json                          the latest backtest results (flows.backtest)
     reference/<name>/<table>.arrow                  committed reference datasets
 
 The partition key is `run`, not `run_id`, because every table already carries a `run_id` column;
@@ -174,7 +175,18 @@ class Store:
                            for _, r in sorted(index.items()))
             self._write(self._p(INDEX), body.encode())
 
+    def put_json(self, rel: str, obj: object) -> None:
+        """A derived document under the root (e.g. backtest results), written whole."""
+        self._write(self._p(rel), json.dumps(obj, indent=1, sort_keys=True).encode())
+
     # -- reading ---------------------------------------------------------------------------
+
+    def get_json(self, rel: str) -> object | None:
+        path = self._p(rel)
+        if not self._exists(path):
+            return None
+        with self.fs.open_input_stream(path) as f:
+            return json.loads(f.read().decode())
 
     def _read_index(self) -> list[RunInfo]:
         path = self._p(INDEX)

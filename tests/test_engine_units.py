@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.bench_kernels import expected_experts
+from engine.costs import expected_experts
 from engine.config import K2, make_config
 from engine.env import UsageError, check_arch, pick_device
 from engine.timing import percentile, time_op

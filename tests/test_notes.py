@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from engine.schema import provenance, read_table, to_table, write_table
+from flows.backtest import refresh
 from flows.inventory import Inventory, load_inventory, update_host
 from flows.notes import NotesError, commit_notes, gather, notes_message, render_notes, summary_lines
 from flows.scrub import leaks
-from flows.projection import project_host
+from flows.reference import project_host
 from flows.store import Store
 from test_projection_synth import write_run
 
@@ -38,6 +39,7 @@ def rendered(tmp_path_factory: pytest.TempPathFactory, inv: Inventory) -> tuple[
     tmp = tmp_path_factory.mktemp("notes")
     write_run(tmp / "art" / "reference" / "h200")
     store = Store(str(tmp / "art"))
+    refresh(store, inv, "h200")
     render_notes(store, inv, tmp / "docs")
     return store, tmp / "docs" / "notes"
 
@@ -97,9 +99,11 @@ def test_outside_kernel_share_is_the_profiled_rest_of_the_step(rendered: tuple[S
 def test_summary_lines(rendered: tuple[Store, Path], inv: Inventory) -> None:
     store, _ = rendered
     lines = summary_lines(store, inv)
-    assert any(line.startswith("Measured h200: MoE W4A16 decode ") and "% of copy bandwidth" in line
-               for line in lines)
-    assert any(line.startswith("Projected b300 from h200: MoE W4A16 decode ") for line in lines)
+    # the 2-layer e2e figures are not headlines: the headline says plainly there is no full-depth row yet
+    assert any(line.startswith("Measured h200: full model: no full-depth e2e rows yet") and
+               "MoE W4A16 decode " in line and "% of copy bandwidth" in line for line in lines)
+    assert any(line.startswith("Projected b300 from h200: full model: no full-depth") for line in lines)
+    assert not any("tok/s" in line for line in lines)
 
 
 def test_regression_against_previous_run_is_flagged(tmp_path: Path, inv: Inventory) -> None:
@@ -107,6 +111,7 @@ def test_regression_against_previous_run_is_flagged(tmp_path: Path, inv: Invento
     store = Store(str(tmp_path / "art"))
     slower = write_run(tmp_path / "pulled", run_id="h200-2", bw=3000.0, started_at="2026-10-21T10:00:00Z")
     store.ingest("h200", "h200-2", slower)
+    refresh(store, inv, "h200")
     [h200] = [v for v in gather(store, inv) if v.name == "h200"]
     assert [r.run_id for r in h200.measured] == ["h200-20261020-1", "h200-2"]
     render_notes(store, inv, tmp_path / "docs")
@@ -121,7 +126,9 @@ def test_stored_projection_is_shown_when_the_reference_is_gone(tmp_path: Path, i
     shutil.rmtree(tmp_path / "art" / "reference")
     views = {v.name: v for v in gather(store, inv)}
     assert views["b300"].kind == "projected" and views["b300"].latest.run_id == run_id
-    assert views["pro6000"].kind == "no data" and "artifacts/reference/h200" in views["pro6000"].missing
+    assert views["pro6000"].kind == "no data" and "no projection of pro6000 is stored" in views["pro6000"].missing
+    # rendering never projects: without the reference, refresh cannot, and says why
+    assert "artifacts/reference/h200" in refresh(store, inv, "h200")["pro6000"]
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -138,6 +145,7 @@ def test_commit_only_on_change_and_nothing_leaks(tmp_path: Path, inv: Inventory)
     store = Store(str(repo / "artifacts"))
 
     def publish() -> str | None:
+        refresh(store, inv, "h200")
         paths = render_notes(store, inv, repo / "docs")
         return commit_notes(repo, paths, notes_message(store, inv), inv)
 
@@ -151,7 +159,7 @@ def test_commit_only_on_change_and_nothing_leaks(tmp_path: Path, inv: Inventory)
     assert changed and all(p.startswith("docs/notes/") for p in changed)
     assert "other.txt" in _git(repo, "status", "--porcelain")  # never swept into a notes commit
     log = _git(repo, "log", "--format=%B")
-    assert "Measured h200: MoE W4A16 decode" in log and "Projected b300 from h200:" in log
+    assert "Measured h200: full model: " in log and "Projected b300 from h200:" in log
     with pytest.raises(NotesError, match="only docs/ and hosts/"):
         commit_notes(repo, [repo / "other.txt"], "x")
     # grep everything that was written or committed for the inventory's address, user and key path

@@ -1,4 +1,4 @@
-"""The projection: hand-computed roofline cases, self-projection, bands, comm model, backtest."""
+"""The projection: hand-computed roofline cases, self-projection, bands, comm model, cross-host backtest."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from engine.schema import provenance, validate
+from flows.backtest import cross_host
+from flows.families import point_key
 from flows.inventory import Inventory, load_inventory
-from flows.projection import (Target, allreduce_us, backtest, load_reference, point_key, project,
-                              project_host, project_point)
+from flows.projection import Machine, allreduce_us, assumptions, project, project_point
+from flows.reference import load_reference, measured_datasets, project_host
 from flows.store import Store
 from test_projection_synth import write_run
 
@@ -67,24 +69,24 @@ def test_allreduce_alpha_beta_by_hand() -> None:
 
 def test_self_projection_returns_measurements_inside_band(tmp_path: Path, inv: Inventory) -> None:
     ref = load_reference(_store(tmp_path), inv, "h200")
-    proj = project([ref], Target("h200", ref.spec, 1, "none"))
+    proj = project(ref.tables, ref.machine, Machine("h200", ref.machine.spec, 1, "none"))
     meas = {(k["kernel"], k["impl"], k["M"], k["batch"], k["budget"]): k for k in ref.tables["kernels"].to_pylist()}
-    for p in proj.tables["kernels"].to_pylist():
+    for p in proj["kernels"].to_pylist():
         m = meas[(p["kernel"], p["impl"], p["M"], p["batch"], p["budget"])]
         assert p["time_us_low"] <= m["time_us_p50"] <= p["time_us_high"]
         assert p["time_us_p50"] == pytest.approx(m["time_us_p50"], rel=1e-9)
         assert p["time_us_low"] < p["time_us_high"]      # a band, never a bare number
-    for p, m in zip(proj.tables["e2e"].to_pylist(), ref.tables["e2e"].to_pylist()):
+    for p, m in zip(proj["e2e"].to_pylist(), ref.tables["e2e"].to_pylist()):
         assert p["tokens_per_s_low"] <= m["tokens_per_s"] <= p["tokens_per_s_high"]
         assert p["tokens_per_s"] == pytest.approx(m["tokens_per_s"], rel=1e-9)
 
 
 def test_band_widens_with_reference_spread(tmp_path: Path, inv: Inventory) -> None:
-    b300 = Target("b300", inv.specs["b300-sxm"], 8, "nvlink")
+    b300 = Machine("b300", inv.specs["b300-sxm"], 8, "nvlink")
 
     def widths(spread: float) -> tuple[list[float], list[float]]:
         ref = load_reference(_store(tmp_path / str(spread), spread), inv, "h200")
-        t = project([ref], b300).tables
+        t = project(ref.tables, ref.machine, b300)
         return ([(k["time_us_high"] - k["time_us_low"]) / k["time_us_p50"] for k in t["kernels"].to_pylist()],
                 [(e["tokens_per_s_high"] - e["tokens_per_s_low"]) / e["tokens_per_s"] for e in t["e2e"].to_pylist()])
 
@@ -106,18 +108,25 @@ def test_projected_records(tmp_path: Path, inv: Inventory) -> None:
         assert set(t.column("source").to_pylist()) == {"projected"}
     prov = provenance(tables["runs"])
     assert prov["spec"]["mem_bw_gbps"] == inv.specs["rtx-pro-6000-server"].mem_bw_gbps
-    assert any("tensor parallel" in a for a in prov["assumptions"])
+    recs = {a["what"]: a for a in assumptions(tables)}
+    assert recs["tensor_parallel"]["target_tp"] == 8 and recs["tensor_parallel"]["rows"][0]["how"] == "bytes"
+    assert recs["comm"]["interconnect"] == "pcie" and recs["comm"]["link_gbps"] == 64
+    assert prov["assumptions"] == assumptions(tables)
     kern = tables["kernels"].to_pylist()
     assert {k["reference_run_id"] for k in kern} == {"h200-20261020-1"}
-    assert all(k["regime"] in ("memory", "compute", "host") and k["reference_regime"] for k in kern)
+    assert all(k["regime"] in ("memory", "compute", "host", "latency") and k["reference_regime"] for k in kern)
     # 8 GPUs on PCIe: the step pays for all-reduces, and the comm table is modelled, not skipped
-    assert all(e["comm_ms"] > 0 for e in tables["e2e"].to_pylist())
+    assert all(e["comm_ms"] > 0 and e["tp"] == 8 and e["comm_source"] == "modelled"
+               for e in tables["e2e"].to_pylist())
     assert {c["status"] for c in tables["comm"].to_pylist()} == {"ok"}
     # slower memory than the reference: every GPU kernel point takes longer
     ref = {(k["kernel"], k["impl"], k["M"], k["batch"], k["budget"]): k["time_us_p50"]
            for k in store.reference("h200")["kernels"].to_pylist()}
     assert all(k["time_us_p50"] > ref[(k["kernel"], k["impl"], k["M"], k["batch"], k["budget"])]
-               for k in kern if k["regime"] != "host")
+               for k in kern if k["regime"] not in ("host", "latency"))
+    # latency-bound points (tree kernels far under both ceilings) keep their time
+    assert all(k["time_us_p50"] == ref[(k["kernel"], k["impl"], k["M"], k["batch"], k["budget"])]
+               for k in kern if k["regime"] == "latency")
 
 
 def test_backtest_two_measured_hosts(tmp_path: Path, inv: Inventory) -> None:
@@ -125,12 +134,9 @@ def test_backtest_two_measured_hosts(tmp_path: Path, inv: Inventory) -> None:
     run = write_run(tmp_path / "pulled", host="pro6000", run_id="p-1", bw=1450.0, tflops=380.0,
                     gpu="RTX PRO 6000 Blackwell Server Edition", started_at="2026-11-05T00:00:00Z")
     store.ingest("pro6000", "p-1", run)
-    rows = backtest(store, inv)
+    rows = cross_host(measured_datasets(store, inv))
     pairs = {(r.reference, r.target) for r in rows}
-    assert pairs == {("h200", "h200"), ("h200", "pro6000"), ("pro6000", "h200"), ("pro6000", "pro6000")}
-    for r in rows:
-        if r.reference == r.target:
-            assert abs(r.median_error) < 1e-9 and r.in_band == 1.0
+    assert pairs == {("h200", "pro6000"), ("pro6000", "h200")}      # never a host from itself
     moe = next(r for r in rows if (r.reference, r.target, r.family) == ("h200", "pro6000", "moe_w4a16/triton"))
     # both synthetic hosts follow one roofline model, so carrying efficiencies across must land close
     assert moe.points == 10 and abs(moe.median_error) < 0.05
@@ -143,10 +149,10 @@ def test_second_reference_widens_the_band(tmp_path: Path, inv: Inventory) -> Non
                                              started_at="2026-10-22T00:00:00Z"))
     ref_a = load_reference(store, inv, "h200")                      # the committed reference set
     ref_b = dataclasses.replace(ref_a, run_id="h200-2", tables=store.load("h200", "h200-2"))
-    b300 = Target("b300", inv.specs["b300-sxm"], 8, "nvlink")
-    one = project([ref_a], b300).tables["kernels"].to_pylist()
-    both = project([ref_a, ref_b], b300).tables["kernels"].to_pylist()
-    alone = {point_key(p): p for p in project([ref_b], b300).tables["kernels"].to_pylist()}
+    b300 = Machine("b300", inv.specs["b300-sxm"], 8, "nvlink")
+    one = project(ref_a.tables, ref_a.machine, b300)["kernels"].to_pylist()
+    both = project(ref_a.tables, ref_a.machine, b300, also=[(ref_b.tables, ref_b.machine)])["kernels"].to_pylist()
+    alone = {point_key(p): p for p in project(ref_b.tables, ref_b.machine, b300)["kernels"].to_pylist()}
     for a, b in zip(one, both):
         assert a["time_us_p50"] == b["time_us_p50"]                  # the central value stays the first's
         assert b["time_us_low"] <= a["time_us_low"] and b["time_us_high"] >= a["time_us_high"]

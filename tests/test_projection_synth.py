@@ -123,3 +123,62 @@ def test_synthetic_run_is_schema_valid(tmp_path: Path) -> None:
     moe = [r for r in read_table(out / "kernels.arrow").to_pylist() if r["kernel"] == "moe_w4a16"]
     # the unique-expert count follows the K2 top-8-of-384 expectation
     assert [r["unique_experts"] for r in moe[:4]] == [8, 16, 31, 60]
+
+
+# -- model level (schema 3): e2e rows at full depth and at a TP-8 rank ----------------------------
+
+FULL, HEAD_BYTES = 61, 163840 * 7168 * 2.0
+
+
+def model_run(out: Path, run_id: str = "h200-model-1", bw: float = 4300.0, tflops: float = 720.0,
+              depths: tuple[int, ...] = (2, 6, 10, 61), accept: float = 5.3) -> Path:
+    """A measured run whose e2e rows are whole-model K2 steps at tp 1 and 8 (one TP-8 rank on one GPU).
+
+    Per layer, verify streams one MoE layer's experts for the step's tokens (a TP-8 rank: 1/8 of each)
+    plus attention; the lm-head (vocab / tp) is paid once; comm is two modelled all-reduces a layer.
+    Kernel points exist at full and at TP-8 shard shapes, so a projection can re-shard from kernels.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    prov = {"run_id": run_id, "host": "h200", "gpu_name": "H200", "gpu_count": 1,
+            "started_at": "2026-12-01T06:00:00Z"}
+    kern = kernel_rows(run_id, bw, tflops, 0.03)
+    for r in [k for k in kern if k["kernel"] == "moe_w4a16"]:   # TP-8 shards: 1/8 of each expert's bytes
+        t = r["bytes"] / 8 / (bw * 1e3) / 0.45 + 3.0
+        kern.append({**r, "tp": 8, "N": r["N"] // 8, "bytes": r["bytes"] / 8, "flops": r["flops"] / 8,
+                     **_times(t, 0.03), "achieved_gbps": r["bytes"] / 8 / (t * 1e3),
+                     "achieved_tflops": r["flops"] / 8 / (t * 1e6)})
+    for r in kern:
+        r.setdefault("tp", 1)
+
+    def moe_us(m: int, tp: int) -> float:
+        pts = [k for k in kern if k["kernel"] == "moe_w4a16" and k["tp"] == tp]
+        return min(pts, key=lambda k: abs(k["M"] - m))["time_us_p50"]
+
+    rows = []
+    for tp in (1, 8):
+        for layers in depths:
+            for conc in (1, 16):
+                budget = 15
+                tokens = conc * (budget + 1)
+                per_layer = moe_us(tokens, tp) / 1e3 + 0.05 * conc
+                head = HEAD_BYTES / tp / (bw * 1e6)
+                verify = layers * per_layer + head
+                comm = 0.0 if tp == 1 else 2 * layers * (0.036 + tokens * 7168 * 2 * 2 * 7 / 8 / 300e6)
+                terms = {"draft_ms": 1.5 + 0.05 * conc, "tree_build_ms": 0.04, "verify_ms": verify,
+                         "accept_ms": 0.05, "other_ms": 0.3 + 0.002 * layers, "comm_ms": comm}
+                step = sum(terms.values())
+                rows.append({"run_id": run_id, "config": "k2", "layers": layers, "tp": tp,
+                             "weight_sets": 4 if layers == FULL and tp == 1 else 1, "vocab": 163840,
+                             "comm_source": "modelled" if tp > 1 else "none", "device": "cuda",
+                             "concurrency": conc, "budget": budget, "synthetic_accept": 0.8,
+                             "accept_len_mean": accept, "tokens_per_s": (accept + 1) * conc / step * 1e3,
+                             "steps": 32, "step_ms_p50": step, "step_ms_p99": step * 1.05, **terms,
+                             "kernel_ms": step * 0.93, "outside_ms": step * 0.07, "source": "measured"})
+    base = {"run_id": run_id, "host": "h200", "profile": "full", "status": "complete", "gpu_name": "H200",
+            "gpu_count": 1, "arch": "sm_90", "device": "cuda", "started_at": prov["started_at"],
+            "ended_at": prov["started_at"], "copy_gbps": bw, "matmul_tflops": tflops, "source": "measured"}
+    write_table(out, to_table("kernels", kern, prov))
+    write_table(out, to_table("e2e", rows, prov))
+    write_table(out, to_table("runs", [{**base, "suite": s, "points": n}
+                                       for s, n in (("kernels", len(kern)), ("e2e", len(rows)))], prov))
+    return out

@@ -1,0 +1,86 @@
+"""Kernel families and point keys: one definition for the projection, the backtests and the notes.
+
+A family is a kernel name (the issue's aliases accepted) and an implementation. These rules say
+which points run on the host whatever the GPU (CPU kernels, the Python tree references), which
+resource bounds a point (its regime), which kernel shape each e2e step term is made of, and how
+points and e2e rows are keyed when two tables are matched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+MEMORY, COMPUTE, HOST, LATENCY = "memory", "compute", "host", "latency"
+# A GPU point reaching under this share of both ceilings is bound by latency (serial steps, launches):
+# its time follows neither bandwidth nor flops.
+LATENCY_SHARE = 0.05
+# Kernel names as engine.bench writes them; the issue's family names are accepted as aliases.
+ALIASES = {"mla_verify": "mla_tree_attention", "tree_build": "build_tree"}
+# The torch references of the tree kernels are Python loops on the host: GPU speed does not move them.
+HOST_SIDE = {("build_tree", "torch"), ("tree_accept", "torch")}
+POINT_KEY = ("kernel", "impl", "dtype", "M", "N", "K", "E", "top_k", "budget", "context", "batch", "tp")
+E2E_KEY = ("config", "layers", "tp", "concurrency", "budget", "synthetic_accept")
+# Term of the e2e step -> kernel families whose time makes it up (verify: per layer).
+TERM_FAMILIES = {"verify_ms": ("moe_w4a16", "mla_tree_attention"), "tree_build_ms": ("build_tree",),
+                 "accept_ms": ("tree_accept",)}
+# The size axis of each family: what the size backtest holds out.
+SIZE_AXIS = {"moe_w4a16": "M", "mla_tree_attention": "context", "build_tree": "budget", "tree_accept": "budget"}
+E2E_CONTEXT = 512   # typical context of an e2e step (prompts of 256-512 tokens plus the new ones)
+
+Row = Mapping[str, Any]
+
+
+def family(kernel: str) -> str:
+    return ALIASES.get(kernel, kernel)
+
+
+def label(row: Row) -> str:
+    """`kernel/impl`, the name a family goes by in tables and notes."""
+    return f"{family(row['kernel'])}/{row['impl']}"
+
+
+def tp_of(row: Row) -> int:
+    """Tensor-parallel degree of a point or e2e row (1 where the file predates the column)."""
+    return int(row.get("tp") or 1)
+
+
+def host_side(row: Row) -> bool:
+    """Points that run on the host whatever the GPU: CPU kernels and the Python tree references."""
+    return row["impl"] == "cpu" or (family(row["kernel"]), row["impl"]) in HOST_SIDE
+
+
+def bound(t_bytes: float, t_flops: float) -> str:
+    return MEMORY if t_bytes >= t_flops else COMPUTE
+
+
+def regime(row: Row, gbps: float | None, tflops: float | None) -> str:
+    """host, latency, memory or compute: what bounds a measured point on a device of these ceilings."""
+    if host_side(row):
+        return HOST
+    if not gbps or not tflops:
+        return "-"
+    t_bytes, t_flops = row["bytes"] / (gbps * 1e3), row["flops"] / (tflops * 1e6)
+    if max(t_bytes, t_flops) < LATENCY_SHARE * row["time_us_p50"]:
+        return LATENCY
+    return bound(t_bytes, t_flops)
+
+
+def point_key(row: Row) -> tuple:
+    return tuple(tp_of(row) if k == "tp" else row.get(k) for k in POINT_KEY)
+
+
+def e2e_key(row: Row, without: tuple[str, ...] = ()) -> tuple:
+    return tuple(tp_of(row) if k == "tp" else row.get(k) for k in E2E_KEY if k not in without)
+
+
+def step_shapes(e2e: Row) -> dict[str, dict[str, float]]:
+    """The kernel shape each family runs at in one step of an e2e point."""
+    conc, budget = e2e["concurrency"], e2e["budget"]
+    return {"moe_w4a16": {"M": conc * (budget + 1)},
+            "mla_tree_attention": {"batch": conc, "budget": budget, "context": E2E_CONTEXT},
+            "build_tree": {"batch": conc, "budget": budget}, "tree_accept": {"batch": conc, "budget": budget}}
+
+
+def preferred(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The implementation a step runs: Triton where the family has it, else what there is."""
+    return [r for r in rows if r["impl"] == "triton"] or rows
