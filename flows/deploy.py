@@ -251,8 +251,12 @@ def ensure_venv(remote: Remote, host: Host, log: logging.Logger | logging.Logger
         # no pip unless something must be installed: ensurepip is most of a venv's creation time
         _check(remote.run([host.python, "-m", "venv", "--clear", "--system-site-packages", "--without-pip", "--",
                            venv], timeout_s=600), "create venv")
-        sites = json.loads(_check(remote.run([host.python, "-c", _SITE], timeout_s=SHORT_S), "read host site-packages"))
-        if not all(isinstance(s, str) for s in sites):
+        answer = _check(remote.run([host.python, "-c", _SITE], timeout_s=SHORT_S), "read host site-packages")
+        try:  # the host's word: a deep, huge or odd answer is refused, never a crash
+            sites = json.loads(answer)
+        except (ValueError, RecursionError):
+            sites = None
+        if not isinstance(sites, list) or not all(isinstance(s, str) for s in sites):
             raise DeployError("host python reported malformed site-packages")
         _check(remote.run([py, "-c", _PTH, *sites], timeout_s=SHORT_S), "link host site-packages")
         _check(remote.run(["touch", "--", ready], timeout_s=SHORT_S), "mark venv ready")

@@ -130,3 +130,21 @@ def test_a_relative_work_dir_is_resolved_on_the_host(sandbox_factory, tmp_path: 
                     cwd=dep.payload_dir)
     assert dep.work_dir == str((tmp_path / "work").resolve()) and dep.python.startswith(dep.work_dir)
     assert res.rc == 0 and res.stdout.strip().startswith(dep.payload_dir), res.stderr
+
+
+@pytest.mark.parametrize("answer", ["[" * 100_000 + "]" * 100_000, '{"a": 1}', "[1, 2]", "not json"])
+def test_a_malformed_site_packages_answer_is_a_deploy_error(tmp_path: Path, answer: str) -> None:
+    """The host's site-packages list is its word: too deep, not a list or not strings is refused, never a crash."""
+    class Res:
+        def __init__(self, rc: int, stdout: str = "") -> None:
+            self.rc, self.stdout, self.stderr, self.timed_out = rc, stdout, "", False
+
+    class FakeRemote:
+        def run(self, argv, timeout_s, **kw):
+            if argv[:1] == ["test"]:
+                return Res(1)  # no venv yet
+            return Res(0, answer if argv[1:2] == ["-c"] and argv[2] == deploy._SITE else "")
+
+    host = type("H", (), {"python": "/usr/bin/python3", "name": "box"})()
+    with pytest.raises(deploy.DeployError, match="malformed site-packages"):
+        deploy.ensure_venv(FakeRemote(), host, logging.getLogger("t"), str(tmp_path))
