@@ -1,4 +1,7 @@
-"""`kdbench notes` and `kdbench backtest`: regenerate the notes from artifacts/, check the projection."""
+"""`kdbench notes` and `kdbench backtest`: regenerate the notes from artifacts/, check the projection.
+
+The notes, the projection and the store are imported when a command runs, so `kdbench --help` stays quick.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from engine.schema import SchemaError
-from flows.inventory import InventoryError, default_hosts_dir, load_inventory
-from flows.notes import NotesError, commit_notes, gather, notes_message, render_notes
-from flows.projection import ProjectionError, backtest
-from flows.settings import REPO
-from flows.store import Store, StoreError, default_root
+from flows.inventory import InventoryError, default_hosts_dir, load_inventory, repo_root
 
 out = Console()
 err = Console(stderr=True)
@@ -25,7 +23,15 @@ HostsDir = typer.Option(None, "--hosts", envvar="KDBENCH_HOSTS", show_default=Fa
                         help="Inventory folder (default: the repo's hosts/).")
 Reference = typer.Option("h200", "--reference", envvar="KDBENCH_REFERENCE",
                          help="Reference set (artifacts/reference/<name>/) or measured host to project from.")
-EXPECTED = (InventoryError, StoreError, ProjectionError, SchemaError, NotesError)
+
+
+def _expected() -> tuple[type[Exception], ...]:
+    """The errors a command reports in one line: bad inventory, store, reference or notes input."""
+    from engine.schema import SchemaError
+    from flows.notes import NotesError
+    from flows.projection import ProjectionError
+    from flows.store import StoreError
+    return InventoryError, StoreError, ProjectionError, SchemaError, NotesError
 
 
 def _fail(message: str) -> typer.Exit:
@@ -34,7 +40,7 @@ def _fail(message: str) -> typer.Exit:
 
 
 def notes(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir, reference: str = Reference,
-          docs: Path = typer.Option(REPO / "docs", "--docs", envvar="KDBENCH_DOCS",
+          docs: Path = typer.Option(repo_root() / "docs", "--docs", envvar="KDBENCH_DOCS",
                                     help="docs/ folder; the pages go to <docs>/notes/."),
           commit: bool = typer.Option(False, "--commit/--no-commit",
                                       help="Commit the notes with git (only when they changed).")) -> None:
@@ -44,13 +50,16 @@ def notes(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir
 
     The same inputs always give the same bytes, so a commit only happens when a figure changed.
     """
+    from flows.notes import commit_notes, gather, notes_message, render_notes
+    from flows.store import Store
+
     try:
-        store, inv = Store(artifacts or default_root()), load_inventory(hosts or default_hosts_dir())
+        store, inv = Store(artifacts), load_inventory(hosts or default_hosts_dir())
         views = gather(store, inv, reference)
         paths = render_notes(store, inv, docs, reference)
         sha = commit_notes(docs.resolve().parent, paths, notes_message(store, inv, reference), inv) \
             if commit else None
-    except EXPECTED as e:
+    except _expected() as e:
         raise _fail(str(e)) from None
     for v in views:
         out.print(f"{v.name}: {v.kind}" + (f" ({v.missing})" if v.missing else ""), highlight=False)
@@ -67,9 +76,12 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
 
     A host projected from itself must show zero error: that row checks the projection's arithmetic.
     """
+    from flows.projection import backtest
+    from flows.store import Store
+
     try:
-        rows = backtest(Store(artifacts or default_root()), load_inventory(hosts or default_hosts_dir()))
-    except EXPECTED as e:
+        rows = backtest(Store(artifacts), load_inventory(hosts or default_hosts_dir()))
+    except _expected() as e:
         raise _fail(str(e)) from None
     if not rows:
         out.print("no measured data: record a reference (artifacts/reference/<name>/) or run a host first")
