@@ -34,8 +34,18 @@ def _int(v: Any) -> str | None:
 
 
 def _fig(v: Any, unit: str, digits: int = 1) -> str | None:
+    """`digits` decimals, or three significant digits for small figures (a CPU's 0.0123 GB/s)."""
     n = _num(v)
-    return f"{n:.{digits}f} {unit}" if n is not None else None
+    if n is None:
+        return None
+    return f"{n:.{digits}f} {unit}" if abs(n) >= 10 ** (2 - digits) or n == 0 else f"{n:.3g} {unit}"
+
+
+def _time_us(v: Any) -> str | None:
+    n = _num(v)
+    if n is None:
+        return None
+    return _fig(n, "us") if n < 1e4 else _fig(n / 1e3, "ms") if n < 1e7 else _fig(n / 1e6, "s", 2)
 
 
 def _bytes(v: Any) -> str:
@@ -54,7 +64,7 @@ def _label(suite: str, ev: dict[str, Any]) -> tuple[str, list[str | None]]:
         shape = [f"{k}={_int(ev[k])}" for k in _KERNEL_SHAPE if _int(ev.get(k)) is not None]
         label = " ".join([_text(ev.get("kernel", "?")), _text(ev.get("impl", "?")), *shape])
         head = _fig(ev.get("achieved_gbps"), "GB/s") or _fig(ev.get("achieved_tflops"), "TF/s", 2)
-        return label, [_fig(ev.get("time_us_p50"), "us"), head]
+        return label, [_time_us(ev.get("time_us_p50")), head]
     if suite == "e2e":
         label = " ".join([_text(ev.get("config", "?")), f"C={_int(ev.get('concurrency')) or '?'}",
                           f"B={_int(ev.get('budget')) or '?'}"])
@@ -64,7 +74,7 @@ def _label(suite: str, ev: dict[str, Any]) -> tuple[str, list[str | None]]:
         label = " ".join([_text(ev.get("op", "?")), f"n={_int(ev.get('world_size')) or '?'}", _bytes(ev.get("bytes"))])
         if ev.get("status") == "skipped":
             return label, [f"skipped ({_text(ev.get('skip_reason', ''))})"]
-        return label, [_fig(ev.get("time_us_p50"), "us"), _fig(ev.get("busbw_gbps"), "GB/s bus")]
+        return label, [_time_us(ev.get("time_us_p50")), _fig(ev.get("busbw_gbps"), "GB/s bus")]
     return "", []
 
 

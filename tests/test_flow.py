@@ -169,7 +169,7 @@ def test_healthy_host_is_measured_ingested_and_noted(world: dict, measured: subp
     logs = [r["message"] for r in _api(world["api"], "/logs/filter",
                                        {"logs": {"flow_run_id": {"any_": [_flow_run(measured.stdout)]}}, "limit": 200})]
     # one readable line per point (suite, i/n, label, time, headline), not the raw JSON
-    points = [m for m in logs if re.match(r"kernels \d+/\d+ \S+ \S+.*: [\d.]+ us", m)]
+    points = [m for m in logs if re.match(r"kernels \d+/\d+ \S+ \S+.*: [\d.]+ (us|ms|s),", m)]
     assert points and all("\n" not in m and "{" not in m for m in points)
     assert not [m for m in logs if "KDBENCH" in m]
     assert "pro6000" in _artifact(world, "host-pro6000")

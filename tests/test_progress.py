@@ -26,6 +26,9 @@ def test_point_lines_name_suite_position_label_time_and_headline() -> None:
     text, _ = log_line("comm", _ev(event="point", i=1, n=1, op="all_reduce", world_size=1, bytes=0,
                                    status="skipped", skip_reason="one GPU"))
     assert text == "comm 1/1 all_reduce n=1 0 B: skipped (one GPU)"
+    text, _ = log_line("kernels", _ev(event="point", i=1, n=9, kernel="build_tree", impl="torch", batch=4,
+                                      time_us_p50=1855907.4, achieved_gbps=0.01234))
+    assert text == "kernels 1/9 build_tree torch batch=4: 1855.9 ms, 0.0123 GB/s"
     assert log_line("kernels", _ev(event="done", suite="kernels", status="complete", points=40))[0] == \
         "kernels done: complete, 40 points"
 

@@ -64,8 +64,9 @@ def test_one_line_reads_with_pyarrow_duckdb_and_pandas(tmp_path: Path, pulled: P
     q = duckdb.sql(f"""
         SELECT host, run, config, concurrency, budget, tokens_per_s
         FROM read_parquet('{art}/e2e/*/*/*.parquet', hive_partitioning = true)
+        WHERE source = 'measured'
         ORDER BY tokens_per_s DESC LIMIT 10""").fetchall()  # the README's query
-    e2e = store.dataset("e2e").to_table().to_pylist()
+    e2e = [r for r in store.dataset("e2e").to_table().to_pylist() if r["source"] == "measured"]
     top = sorted(e2e, key=lambda r: -r["tokens_per_s"])[:10]
     assert q == [(r["host"], r["run"], r["config"], r["concurrency"], r["budget"], r["tokens_per_s"]) for r in top]
 

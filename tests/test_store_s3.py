@@ -27,7 +27,8 @@ from engine.schema import SchemaError, read_table
 from flows.bench_flow import ingest
 from flows.pull import Pulled, quarantine
 from flows.settings import Settings
-from flows.store import Store
+from flows.store import Store, StoreError
+from flows.store_migrate import migrate
 from test_projection_synth import write_run
 
 pytestmark = pytest.mark.integration
@@ -196,3 +197,23 @@ def test_concurrent_ingests_lose_no_run(s3_root: str, tmp_path: Path) -> None:
     assert sorted((r.host, r.run_id) for r in store.runs()) == sorted(runs)
     assert {store.run(h, r).status for h, r in runs} == {"complete"}
     assert set(store.dataset("runs").to_table().column("run").to_pylist()) == {r for _, r in runs}
+
+
+def test_s3_store_in_the_old_layout_migrates(s3_root: str, bench_run: Path) -> None:
+    """`kdbench store migrate` on a bucket: layout-1 objects become the table-first layout."""
+    store = Store(s3_root)
+    old = f"runs/host=sbx/run={RUN}"
+    for f in sorted(bench_run.glob("*.arrow")):
+        store.write_bytes(f"{old}/{f.name}", f.read_bytes())
+    store.write_bytes(f"{old}/stray.txt", b"kept\n")
+    store.write_bytes("runs/_index.jsonl", f'{{"host": "sbx", "run_id": "{RUN}"}}\n'.encode())
+    with pytest.raises(StoreError, match="store migrate"):
+        store.runs()
+    report = migrate(store)
+    assert report.runs == [f"sbx/{RUN}"] and list(report.set_aside) == [f"_unmigrated/host=sbx/run={RUN}/stray.txt"]
+    assert [r.run_id for r in store.runs()] == [RUN]
+    for name, table in store.load("sbx", RUN).items():
+        assert table.equals(read_table(bench_run / f"{name}.arrow"), check_metadata=True)
+    left = {i.path.removeprefix(f"{store.base}/") for i in store.files_under("runs")}
+    assert left == {f"{old}/part-0.parquet"}
+    assert store.read_bytes(f"_unmigrated/host=sbx/run={RUN}/stray.txt") == b"kept\n"
