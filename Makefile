@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # torch==2.13.0 is the CPU build on this fleet's controllers; triton pinned to the GPU hosts' version.
 PINS := torch==2.13.0 triton==3.6.0
 
-.PHONY: venv sshd demo test clean
+.PHONY: venv sshd demo test bench-cli clean
 
 venv: $(VENV)/.installed
 
@@ -25,6 +25,10 @@ demo: venv sshd
 
 test: venv sshd
 	$(BIN)/python -m pytest
+
+# start-up time of `kdbench --help` and `kdbench hosts list` (a benchmark, not a test)
+bench-cli: venv
+	$(BIN)/python tests/bench_cli_startup.py
 
 clean:
 	rm -rf $(VENV) .sandbox

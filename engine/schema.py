@@ -8,15 +8,15 @@ refuse files it does not understand instead of misreading them.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import struct
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
+
+from engine.files import atomic_write_bytes, sha256_file
 
 SCHEMA_VERSION = "3"
 READABLE_VERSIONS = ("2", "3")   # version 2 files read with the version-3 columns null (tp, weight_sets: 1)
@@ -104,21 +104,6 @@ def to_table(name: str, rows: Iterable[Mapping[str, Any]], provenance: Mapping[s
     meta = {"kdbench.schema_version": SCHEMA_VERSION, "kdbench.table": name,
             "kdbench.provenance": json.dumps(dict(provenance), sort_keys=True)}
     return pa.Table.from_pydict(cols, schema=schema.with_metadata(meta))
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary sibling, then rename: a reader sees the old file or the new one, never half."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def write_table(out_dir: Path, table: pa.Table) -> Path:

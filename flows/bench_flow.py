@@ -12,9 +12,9 @@ Every branch ends COMPLETED with notes; only a failed build or a real bug ends F
 host is never projected: when nothing of its run could be ingested, the notes keep its last data.
 
 Two runs on one host never overlap: the flow holds the Prefect global concurrency limit
-`kdbench-host-<host>` (limit 1, created on first use) for the whole run. It lives on the Prefect
-server, so it holds across serve processes and workers on different machines, and a slot held by
-a crashed process is freed when its lease expires.
+`kdbench-host-<host>` (limit 1, upserted by `kdbench serve` and on use) for the whole run. It lives
+on the Prefect server, so it holds across serve processes and workers on different machines, and a
+slot held by a crashed process is freed when its lease expires.
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from prefect import flow, get_run_logger, task
+from prefect import Task, flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.client.schemas.objects import State, TaskRun
 from prefect.concurrency.sync import concurrency
 from prefect.context import FlowRunContext
 from prefect.deployments.flow_runs import arun_deployment
-from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.tasks import exponential_backoff
 from pydantic import BaseModel
 
 from flows import backtest
@@ -46,16 +46,17 @@ from flows import notes as notes_mod
 from flows import reference as references
 from flows.inventory import Host, Inventory, host_path, load_host, load_inventory, now, retire, update_host
 from flows.projection import ProjectionError
+from flows.progress import log_line
 from flows.pull import Pulled, pull, quarantine, record_unfinished
 from flows.scrub import fenced, md, plain, redact
 from flows.settings import Settings
 from flows.ssh import ProbeResult, Remote, RemoteError, TransferError, probe
-from flows.store import Store
+from flows.store import RunInfo, Store
 
 NOTES_LIMIT = "kdbench-notes"
 BUILD_JSON_BYTES = 1 << 20
-_EVENT = "KDBENCH "
 REACHED = ("measured", "python_lacks_torch")  # routes of a reachable host: never projected
+DONE = ("complete", "partial", "skipped")  # what a suite may report at its end; anything else is ignored
 
 
 class BuildFailed(RuntimeError):
@@ -82,7 +83,7 @@ class RunReport(BaseModel):
     payload_hash: str | None = None
     uploaded: bool | None = None
     suites: list[SuiteResult] = []
-    results: str | None = None  # store-relative partition of the run
+    results: str | None = None  # the run's partition, host=<h>/run=<id>, under each table folder of the store
     quarantined: dict[str, str] = {}
     headline: list[str] = []
     notes: list[str] = []
@@ -93,16 +94,10 @@ def limit_name(host: str) -> str:
     return f"kdbench-host-{host}"
 
 
-def ensure_limit(name: str, limit: int = 1) -> None:
-    """Global concurrency limits must exist before they can be held; create it once."""
+def ensure_limit(name: str) -> None:
+    """A global concurrency limit of one slot must exist before it can be held (strict)."""
     with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-        except ObjectNotFound:
-            try:
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=limit))
-            except ObjectAlreadyExists:
-                pass
+        client.upsert_global_concurrency_limit_by_name(name, 1)
 
 
 @contextmanager
@@ -131,21 +126,43 @@ def _key(prefix: str, host: str) -> str:
 
 # -- tasks ------------------------------------------------------------------------------------
 
-@task(name="probe", cache_policy=NONE)
-def probe_host(host: Host, hosts_dir: Path, retries: int, backoff_s: float) -> ProbeResult:
-    """Unreachable and timeout get bounded retries with exponential backoff; other outcomes are final."""
+class Unanswered(Exception):
+    """The probe got no answer (unreachable or timeout): the one outcome Prefect retries."""
+
+    def __init__(self, result: ProbeResult):
+        super().__init__(f"{result.host}: {result.outcome}")
+        self.result = result
+
+
+def _unanswered(task: Task, task_run: TaskRun, state: State) -> bool:
+    """retry_condition_fn: retry only when the host did not answer; a refusal or a bug is final."""
+    return isinstance(state.result(raise_on_failure=False), Unanswered)
+
+
+@task(name="probe", cache_policy=NONE, retry_condition_fn=_unanswered)
+def probe_host(host: Host, hosts_dir: Path) -> ProbeResult:
+    """One probe; raises Unanswered for unreachable/timeout, so that task retries (with backoff) apply."""
     log = get_run_logger()
-    for attempt in range(retries + 1):
-        res = probe(host, hosts_dir)
-        log.info("probe %s: %s (%s) in %.1f s", host.name, res.outcome, _scrub(host, res.detail), res.elapsed_s)
-        for m in res.mismatches:  # they quote what the host reported
-            log.warning("inventory mismatch on %s: %s", host.name, _scrub(host, m))
-        if res.outcome not in ("unreachable", "timeout") or attempt == retries:
-            return res
-        delay = backoff_s * 2 ** attempt
-        log.warning("%s %s; retry %d/%d in %.1f s", host.name, res.outcome, attempt + 1, retries, delay)
-        time.sleep(delay)
-    raise AssertionError("unreachable code")
+    res = probe(host, hosts_dir)
+    log.info("probe %s: %s (%s) in %.1f s", host.name, res.outcome, _scrub(host, res.detail), res.elapsed_s)
+    for m in res.mismatches:  # they quote what the host reported
+        log.warning("inventory mismatch on %s: %s", host.name, _scrub(host, m))
+    if res.outcome in ("unreachable", "timeout"):
+        raise Unanswered(res)
+    return res
+
+
+def probe_with_retries(host: Host, s: Settings) -> ProbeResult:
+    """The probe with KDBENCH_PROBE_RETRIES retries, the first after KDBENCH_RETRY_BACKOFF_S, doubling."""
+    state = probe_host.with_options(
+        retries=s.probe_retries, retry_delay_seconds=exponential_backoff(s.retry_backoff_s)(s.probe_retries),
+    )(host, s.hosts_dir, return_state=True)
+    res = state.result(raise_on_failure=False)
+    if isinstance(res, Unanswered):
+        return res.result
+    if isinstance(res, BaseException):
+        raise res
+    return res
 
 
 @task(name="check-python", cache_policy=NONE)
@@ -210,21 +227,17 @@ def build(remote: Remote, host: Host, dep: deploy_mod.Deployed, run_dir: str, ti
 @task(name="bench", task_run_name="bench-{suite}", cache_policy=NONE)
 def bench_suite(remote: Remote, host: Host, dep: deploy_mod.Deployed, suite: str, profile: str,
                 run_id: str, out_dir: str, timeout_s: float) -> SuiteResult:
-    """Run one suite; its output streams into the logs line by line as the host prints it."""
+    """Run one suite; its output streams into the logs as the host prints it, one line per point."""
     log = get_run_logger()
     seen = {"points": 0, "status": None}
 
     def on_line(line: str) -> None:
-        if line.startswith(_EVENT):
-            try:
-                ev = json.loads(line[len(_EVENT):])
-            except (ValueError, RecursionError):
-                ev = {}
-            if isinstance(ev, dict) and ev.get("event") == "point":
-                seen["points"] += 1
-            elif isinstance(ev, dict) and ev.get("event") == "done":
-                seen["status"] = ev.get("status")
-        log.info("[%s] %s", suite, _scrub(host, line))
+        text, ev = log_line(suite, line)
+        if ev is not None and ev.get("event") == "point":
+            seen["points"] += 1
+        elif ev is not None and ev.get("event") == "done" and ev.get("status") in DONE:
+            seen["status"] = ev["status"]
+        log.info("%s", _scrub(host, text))
 
     argv = [dep.python, "-m", "engine.bench", "--suite", suite, "--profile", profile, "--host", host.name,
             "--out", out_dir, "--run-id", run_id, "--payload-hash", dep.payload_hash]
@@ -252,7 +265,8 @@ def pull_results(remote: Remote, host: str, run_id: str, out_dir: str, staging: 
 
 
 @task(name="ingest", cache_policy=NONE)
-def ingest(store: Store, host: str, run_id: str, pulled: Pulled) -> str | None:
+def ingest(store: Store, host: str, run_id: str, pulled: Pulled) -> RunInfo | None:
+    """The run as stored (its manifest's summary), or None when nothing could be ingested."""
     log = get_run_logger()
     where = quarantine(store, host, run_id, pulled)
     if where:
@@ -260,10 +274,9 @@ def ingest(store: Store, host: str, run_id: str, pulled: Pulled) -> str | None:
     if "runs.arrow" not in pulled.accepted:
         log.error("no acceptable runs.arrow from %s: nothing ingested", host)
         return None
-    store.ingest(host, run_id, pulled.accepted_dir)
-    part = f"runs/host={host}/run={run_id}"
-    log.info("ingested %s", part)
-    return part
+    info = store.ingest(host, run_id, pulled.accepted_dir)
+    log.info("ingested run %s of %s (%s): %s", run_id, host, info.status, ", ".join(info.suites))
+    return info
 
 
 @task(name="notes", cache_policy=NONE)
@@ -369,11 +382,11 @@ def _measure(s: Settings, store: Store, host: Host, suites: list[str], profile: 
             unfinished = {r.suite: r.status for r in report.suites if r.status in ("timeout", "failed")}
             record_unfinished(pulled, run_id, host.name, profile, unfinished, dep.payload_hash)
             report.quarantined = pulled.quarantined
-            report.results = ingest(store, host.name, run_id, pulled)
-    if report.results is None:
+            info = ingest(store, host.name, run_id, pulled)
+    if info is None:
         report.outcome, report.detail = "unmeasured", "no result could be ingested"
         return
-    info = next(r for r in store.runs(host.name) if r.run_id == run_id)
+    report.results = f"host={host.name}/run={run_id}"
     bad = [r.suite for r in report.suites if r.status not in ("complete", "skipped")]
     partial = info.status == "partial" or bad or report.quarantined
     report.outcome = "partial" if partial else "measured"
@@ -393,10 +406,10 @@ def _publish(report: RunReport, s: Settings) -> None:
     for sr in report.suites:
         lines.append(f"- suite {sr.suite}: {sr.status}, {sr.points} points, {sr.elapsed_s:.0f} s")
     if report.results:
-        lines.append(f"- results: `{report.results}` in the artifacts store "
-                     "(`pyarrow.dataset` over `runs/`, Hive-partitioned by host and run)")
+        lines.append(f"- results: `<table>/{report.results}/` in the artifacts store "
+                     "(one folder per table, Hive-partitioned by host and run)")
     if report.projected_run_id:
-        lines.append(f"- projection: `runs/host={report.host}/run={report.projected_run_id}` (source = projected)")
+        lines.append(f"- projection: `<table>/host={report.host}/run={report.projected_run_id}/` (source = projected)")
     for name, why in report.quarantined.items():
         lines.append(f"- quarantined {md(name)}: {md(why, cap=500)}")
     if report.headline:
@@ -446,7 +459,7 @@ def bench(host: str, suites: list[str] | None = None, profile: str | None = None
             report = RunReport(host=host, route="not_configured", outcome="unmeasured",
                                detail="address is a placeholder: not contacted")
         else:
-            res = probe_host(h, s.hosts_dir, s.probe_retries, s.retry_backoff_s)
+            res = probe_with_retries(h, s)
             if res.outcome == "ok":
                 update_host(s.hosts_dir, host, unreachable_runs=0, last_seen=now())
                 report = RunReport(host=host, route="measured", outcome="measured")

@@ -135,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         store = Store(str(artifacts))
         for r in store.runs():
             print(f"   {r.host:8} {r.source:9} {r.status:8} {r.run_id}  suites: {', '.join(r.suites)}")
-        print(f"   artifacts: {artifacts}/runs/host=<host>/run=<run id>/<table>.arrow (index: runs/_index.jsonl)")
-        print(f"   read them: python -c \"from flows.store import Store; "
-              f"print(Store('{artifacts}').dataset('kernels').to_table().to_pandas())\"")
+        print(f"   artifacts: {artifacts}/<table>/host=<host>/run=<run id>/part-0.parquet")
+        print(f"   read them: python -c \"import pyarrow.dataset as ds; "
+              f"print(ds.dataset('{artifacts}/kernels', partitioning='hive').to_table())\"")
         print(f"   notes: {docs / 'notes'}")
         if repo is not None:
             print(f"   committed into the scratch clone {repo} (your checkout is untouched):")

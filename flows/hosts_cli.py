@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
@@ -19,7 +19,9 @@ from flows.inventory import (
     load_host, load_inventory, now, retire, update_host, validation_message, write_new_host,
 )
 from flows.scrub import plain
-from flows.ssh import ProbeResult, RemoteError, Timeouts, fetch_host_key, probe
+
+if TYPE_CHECKING:
+    from flows.ssh import ProbeResult
 
 hosts_app = typer.Typer(help="Inventory hosts: list, add, pin host keys, probe, retire.", no_args_is_help=True)
 
@@ -108,6 +110,8 @@ def trust(
     This is the only way a key is ever pinned; compare the fingerprint with one obtained out of
     band (e.g. `ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` on the host's console).
     """
+    from flows.ssh import RemoteError, fetch_host_key
+
     d = _dir(hosts)
     try:
         host = load_host(d, name)
@@ -167,6 +171,8 @@ def check(
     Outcomes: ok, unauthorized, host_key_changed, host_key_unknown, unreachable, timeout.
     Nothing is retired or re-pinned here; `ok` updates the host's last_seen.
     """
+    from flows.ssh import Timeouts, probe
+
     d = _dir(hosts)
     try:
         inv = load_inventory(d)

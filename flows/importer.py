@@ -19,19 +19,18 @@ import io
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-import typer
 
 from engine.config import CONFIGS
 from engine.costs import expected_experts
 from engine.schema import to_table, write_table
 from flows.backtest import cost_of
 from flows.families import family
-from flows.inventory import Inventory, InventoryError, default_hosts_dir, load_inventory
+from flows.inventory import Inventory
 from flows.scrub import leaks
 from flows.reference import OUTSIDE_ORIGINS
-from flows.store import StoreError, check_name, default_root
+from flows.store import check_name
 
 MAX_BYTES = 4 << 20
 MAX_ROWS = 10_000
@@ -226,23 +225,3 @@ def import_file(path: Path, name: str, root: Path, inv: Inventory) -> Path:
         write_table(out, to_table(suite, rows, meta))
     write_table(out, to_table("runs", [{**base, "suite": s, "points": len(rows)} for s, rows in suites], meta))
     return out
-
-
-def import_cmd(file: Path = typer.Argument(..., help="CSV or JSON of kernel points or serving results."),
-               name: str = typer.Option(..., "--name", help="Dataset name: writes artifacts/reference/<name>/."),
-               artifacts: Optional[Path] = typer.Option(None, "--artifacts", envvar="KDBENCH_ARTIFACTS",
-                                                        show_default=False, help="Artifacts folder (default: the repo's artifacts/)."),
-               hosts: Optional[Path] = typer.Option(None, "--hosts", envvar="KDBENCH_HOSTS", show_default=False,
-                                                    help="Inventory folder (default: the repo's hosts/).")) -> None:
-    """Import outside figures (a kernel sweep, a serving benchmark) as a reference dataset.
-
-    The file carries a provenance header (machine, date, source; origin published|outside; host or
-    spec; gpus; impl). The dataset then works as `--reference NAME`, and its e2e rows appear on
-    that machine's notes page labelled as outside measurements.
-    """
-    from flows.notes_cli import _fail, out
-    try:
-        where = import_file(file, name, Path(artifacts or default_root()), load_inventory(hosts or default_hosts_dir()))
-    except (ImportFileError, InventoryError, StoreError) as e:
-        raise _fail(str(e)) from None
-    out.print(f"wrote {where.parent.name}/{where.name}/ from {file.name}", highlight=False)

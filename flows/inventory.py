@@ -13,7 +13,6 @@ import hashlib
 import io
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 from ruamel.yaml.representer import RoundTripRepresenter
+
+from engine.files import atomic_write_bytes
 
 Arch = Literal["sm_90", "sm_100", "sm_103", "sm_120", "cpu"]
 Status = Literal["active", "retired"]
@@ -340,17 +341,9 @@ def _lock(hosts_dir: Path, name: str) -> FileLock:
 
 
 def _atomic_write(path: Path, data: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            _yaml().dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    buf = io.StringIO()
+    _yaml().dump(data, buf)
+    atomic_write_bytes(path, buf.getvalue().encode("utf-8"))
 
 
 def _to_yaml_value(v: Any) -> Any:

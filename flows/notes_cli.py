@@ -1,4 +1,7 @@
-"""`kdbench notes` and `kdbench backtest`: regenerate the notes from artifacts/, check the projection."""
+"""`kdbench notes`, `kdbench backtest` and `kdbench import`: regenerate the notes, check the projection, bring in outside figures.
+
+The notes, the projection and the store are imported when a command runs, so `kdbench --help` stays quick.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from engine.schema import SchemaError
-from flows.inventory import InventoryError, default_hosts_dir, load_inventory
-from flows.backtest import backtests_of, refresh, store_backtest
-from flows.notes import (BACKTEST_COLUMNS, NotesError, backtest_cells, commit_notes, gather, notes_message,
-                         render_notes)
-from flows.projection import ProjectionError
-from flows.settings import REPO
-from flows.store import Store, StoreError, default_root
+from flows.inventory import InventoryError, default_hosts_dir, load_inventory, repo_root
 
 out = Console()
 err = Console(stderr=True)
@@ -27,7 +23,15 @@ HostsDir = typer.Option(None, "--hosts", envvar="KDBENCH_HOSTS", show_default=Fa
                         help="Inventory folder (default: the repo's hosts/).")
 Reference = typer.Option("h200", "--reference", envvar="KDBENCH_REFERENCE",
                          help="Reference set (artifacts/reference/<name>/) or measured host to project from.")
-EXPECTED = (InventoryError, StoreError, ProjectionError, SchemaError, NotesError)
+
+
+def _expected() -> tuple[type[Exception], ...]:
+    """The errors a command reports in one line: bad inventory, store, reference or notes input."""
+    from engine.schema import SchemaError
+    from flows.notes import NotesError
+    from flows.projection import ProjectionError
+    from flows.store import StoreError
+    return InventoryError, StoreError, ProjectionError, SchemaError, NotesError
 
 
 def _fail(message: str) -> typer.Exit:
@@ -36,7 +40,7 @@ def _fail(message: str) -> typer.Exit:
 
 
 def notes(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir, reference: str = Reference,
-          docs: Path = typer.Option(REPO / "docs", "--docs", envvar="KDBENCH_DOCS",
+          docs: Path = typer.Option(repo_root() / "docs", "--docs", envvar="KDBENCH_DOCS",
                                     help="docs/ folder; the pages go to <docs>/notes/."),
           commit: bool = typer.Option(False, "--commit/--no-commit",
                                       help="Commit the notes with git (only when they changed).")) -> None:
@@ -47,14 +51,18 @@ def notes(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir
 
     The same inputs always give the same bytes, so a commit only happens when a figure changed.
     """
+    from flows.backtest import refresh
+    from flows.notes import commit_notes, gather, notes_message, render_notes
+    from flows.store import Store
+
     try:
-        store, inv = Store(artifacts or default_root()), load_inventory(hosts or default_hosts_dir())
+        store, inv = Store(artifacts), load_inventory(hosts or default_hosts_dir())
         failed = refresh(store, inv, reference)
         views = gather(store, inv)
         paths = render_notes(store, inv, docs)
         sha = commit_notes(docs.resolve().parent, paths, notes_message(store, inv), inv) \
             if commit else None
-    except EXPECTED as e:
+    except _expected() as e:
         raise _fail(str(e)) from None
     for v in views:
         why = failed.get(v.name) or v.missing
@@ -73,14 +81,18 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
     Error = predicted / measured - 1, median and worst over the points; "in band" is the share of
     measured points inside the predicted band; "goal" says by how much a row misses its goal.
     """
+    from flows.backtest import backtests_of, store_backtest
+    from flows.notes import BACKTEST_COLUMNS, backtest_cells
+    from flows.store import Store
+
     try:
-        store, inv = Store(artifacts or default_root()), load_inventory(hosts or default_hosts_dir())
+        store, inv = Store(artifacts), load_inventory(hosts or default_hosts_dir())
         rows = backtests_of(store, inv)
         if not rows:
             out.print("no measured data: record a reference (artifacts/reference/<name>/) or run a host first")
             return
         store_backtest(store, rows)
-    except EXPECTED as e:
+    except _expected() as e:
         raise _fail(str(e)) from None
     table = Table(title="projection backtests (predicted / measured - 1)")
     for col in BACKTEST_COLUMNS:
@@ -95,3 +107,25 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
     out.print(table)
     for line in skipped:
         out.print(f"skipped: {line}", highlight=False, soft_wrap=True)
+
+
+def import_cmd(file: Path = typer.Argument(..., help="CSV or JSON of kernel points or serving results."),
+               name: str = typer.Option(..., "--name", help="Dataset name: writes artifacts/reference/<name>/."),
+               artifacts: Optional[Path] = typer.Option(None, "--artifacts", envvar="KDBENCH_ARTIFACTS",
+                                                        show_default=False, help="Artifacts folder (default: the repo's artifacts/)."),
+               hosts: Optional[Path] = typer.Option(None, "--hosts", envvar="KDBENCH_HOSTS", show_default=False,
+                                                    help="Inventory folder (default: the repo's hosts/).")) -> None:
+    """Import outside figures (a kernel sweep, a serving benchmark) as a reference dataset.
+
+    The file carries a provenance header (machine, date, source; origin published|outside; host or
+    spec; gpus; impl). The dataset then works as `--reference NAME`, and its e2e rows appear on
+    that machine's notes page labelled as outside measurements.
+    """
+    from flows.importer import ImportFileError, import_file
+    from flows.store import StoreError, default_root
+
+    try:
+        where = import_file(file, name, Path(artifacts or default_root()), load_inventory(hosts or default_hosts_dir()))
+    except (ImportFileError, InventoryError, StoreError) as e:
+        raise _fail(str(e)) from None
+    out.print(f"wrote {where.parent.name}/{where.name}/ from {file.name}", highlight=False)

@@ -111,7 +111,7 @@ def pull(remote: Remote, remote_dir: str, staging: Path, host: str, run_id: str)
 def record_unfinished(pulled: Pulled, run_id: str, host: str, profile: str, unfinished: dict[str, str],
                       payload_hash: str | None) -> None:
     """Mark every suite the controller saw time out or fail as `partial` in runs.arrow (adding a
-    row for one stopped before it wrote anything), so the run index never calls such a run
+    row for one stopped before it wrote anything), so the run's manifest never calls such a run
     complete, even when the suite had written "complete" just before it was killed. When the
     host's runs.arrow was quarantined, the suites whose tables were accepted get a `partial` row
     of the controller's own, so those good files are still ingested."""
@@ -143,7 +143,7 @@ def record_unfinished(pulled: Pulled, run_id: str, host: str, profile: str, unfi
 
 
 def quarantine(store: Store, host: str, run_id: str, pulled: Pulled) -> str | None:
-    """Keep the rejected files (and why) in the artifacts store, beside (never in) runs/."""
+    """Keep the rejected files (and why) in the artifacts store, beside (never in) the table folders."""
     if not pulled.quarantined:
         return None
     fs = store.fs

@@ -21,13 +21,14 @@ import time
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+import psutil
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from filelock import FileLock
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
-from engine.schema import atomic_write_bytes
+from engine.files import atomic_write_bytes
 from flows.inventory import SAFE_NAME, Host, fingerprint, key_line, parse_public_key, repo_root
 
 Fault = Literal["rotate-hostkey", "revoke-key", "stop", "blackhole", "heal"]
@@ -107,35 +108,24 @@ def _alive(pid: int | None) -> bool:
     except ChildProcessError:
         pass
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return ""
 
 
 def _descendants(pid: int) -> list[int]:
     """Every process below pid (sshd's per-connection children and their commands)."""
-    children: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                ppid = int(p.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(p.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def _ours(pid: int, marker: str) -> bool:
@@ -144,17 +134,21 @@ def _ours(pid: int, marker: str) -> bool:
 
 
 def _kill(pids: Sequence[int]) -> None:
+    """SIGTERM, then SIGKILL what is still there after 3 s (psutil reaps our own children)."""
+    procs = []
+    for p in pids:
+        try:
+            procs.append(psutil.Process(p))
+        except psutil.NoSuchProcess:
+            pass
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in pids:
-            if _alive(p):
-                try:
-                    os.kill(p, sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.02)
-        if not any(_alive(p) for p in pids):
+        for p in procs:
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        _, procs = psutil.wait_procs(procs, timeout=3)
+        if not procs:
             return
 
 

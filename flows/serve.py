@@ -10,6 +10,8 @@ Two ways to run them:
   * a team: `kdbench serve --pool kdbench` registers the same deployments into a Prefect process
     work pool and returns; every controller machine runs `prefect worker start --pool kdbench`
     with the artifacts root on shared storage (docs/running.md).
+
+Prefect and the flows are imported inside the commands that need them, so `kdbench --help` stays quick.
 """
 
 from __future__ import annotations
@@ -21,25 +23,20 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import typer
 from rich.console import Console
 
-from prefect import serve as prefect_serve
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import WorkPoolCreate
-from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-from prefect.deployments.runner import EntrypointType, RunnerDeployment
-from prefect.exceptions import ObjectNotFound
-from prefect.settings import get_current_settings
+from flows.inventory import InventoryError, load_inventory, repo_root
 
-from flows.bench_flow import NOTES_LIMIT, bench, ensure_limit, fleet, limit_name
-from flows.inventory import InventoryError, load_inventory
-from flows.settings import REPO, Settings, SettingsError
+if TYPE_CHECKING:
+    from prefect.deployments.runner import RunnerDeployment
+
+    from flows.settings import Settings
 
 err = Console(stderr=True)
-DEFAULT_HOME = REPO / ".scratch" / "prefect-server"
+DEFAULT_HOME = repo_root() / ".scratch" / "prefect-server"
 DEFAULT_PORT = 4200
 
 
@@ -174,6 +171,10 @@ def server(
 def deployments(s: Settings) -> list[RunnerDeployment]:
     """One `bench/<host>` per inventory host and `fleet/fleet`, loaded by module path so any
     machine with kdbench installed (serve process or worker) can run them."""
+    from prefect.deployments.runner import EntrypointType
+
+    from flows.bench_flow import bench, fleet
+
     inv = load_inventory(s.hosts_dir)
     deps = [bench.to_deployment(
         name=h, parameters={"host": h}, tags=["kdbench", f"host-{h}"],
@@ -187,6 +188,9 @@ def deployments(s: Settings) -> list[RunnerDeployment]:
 
 def _prune(keep: set[str]) -> list[str]:
     """Delete `bench/<host>` deployments whose host left the inventory."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
     gone = []
     with get_client(sync_client=True) as client:
         for d in client.read_deployments(flow_filter=FlowFilter(name=FlowFilterName(any_=["bench"]))):
@@ -197,6 +201,10 @@ def _prune(keep: set[str]) -> list[str]:
 
 
 def _ensure_pool(name: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+
     with get_client(sync_client=True) as client:
         try:
             client.read_work_pool(name)
@@ -221,6 +229,12 @@ def serve(
     KDBENCH_BUILD_TIMEOUT_S and KDBENCH_BENCH_TIMEOUT_S, read by each flow run.
     Restart it after editing hosts/ to add or drop deployments.
     """
+    from prefect import serve as prefect_serve
+    from prefect.settings import get_current_settings
+
+    from flows.bench_flow import NOTES_LIMIT, ensure_limit, limit_name
+    from flows.settings import Settings, SettingsError
+
     api = get_current_settings().api.url
     if not api:
         raise _fail("PREFECT_API_URL is not set: start a server with `kdbench server` and export the URL it prints")

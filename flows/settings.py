@@ -1,51 +1,39 @@
-"""Flow settings, read from KDBENCH_* environment variables when a flow run starts.
+"""Flow settings, read from KDBENCH_* environment variables when a flow run starts (pydantic-settings).
 
 Read at run time (not import time) so one serve process or worker can be pointed at any
 inventory, artifacts store and notes repo by its environment: that is how the tests aim the
 real `kdbench serve` at temporary directories, and how a team points every worker at shared storage.
+Each field's variable is KDBENCH_<FIELD>, except hosts_dir (KDBENCH_HOSTS) and docs_dir (KDBENCH_DOCS);
+`kdbench serve --help` and docs/running.md list the same names.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Mapping
+from typing import Annotated
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 REPO = Path(__file__).resolve().parents[1]
-
-# field -> environment variable; `kdbench serve --help` and docs/running.md list the same names.
-ENV = {
-    "hosts_dir": "KDBENCH_HOSTS",
-    "artifacts": "KDBENCH_ARTIFACTS",
-    "docs_dir": "KDBENCH_DOCS",
-    "repo": "KDBENCH_REPO",
-    "commit": "KDBENCH_COMMIT",
-    "suites": "KDBENCH_SUITES",
-    "profile": "KDBENCH_PROFILE",
-    "reference": "KDBENCH_REFERENCE",
-    "unreachable_runs": "KDBENCH_UNREACHABLE_RUNS",
-    "probe_retries": "KDBENCH_PROBE_RETRIES",
-    "retry_backoff_s": "KDBENCH_RETRY_BACKOFF_S",
-    "build_timeout_s": "KDBENCH_BUILD_TIMEOUT_S",
-    "bench_timeout_s": "KDBENCH_BENCH_TIMEOUT_S",
-}
-
 SUITES = ("kernels", "e2e", "comm")
+PREFIX = "KDBENCH_"
 
 
 class SettingsError(ValueError):
     """A KDBENCH_* variable that does not parse; the message names the variable."""
 
 
-class Settings(BaseModel):
-    hosts_dir: Path = REPO / "hosts"
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=PREFIX, env_ignore_empty=True, populate_by_name=True,
+                                      extra="ignore")
+
+    hosts_dir: Path = Field(REPO / "hosts", validation_alias=AliasChoices("hosts_dir", "KDBENCH_HOSTS"))
     artifacts: str = str(REPO / "artifacts")  # local path or a pyarrow filesystem URI (s3://...)
-    docs_dir: Path = REPO / "docs"
+    docs_dir: Path = Field(REPO / "docs", validation_alias=AliasChoices("docs_dir", "KDBENCH_DOCS"))
     repo: Path = REPO  # git repository the notes are committed into
     commit: bool = True
-    suites: list[str] = Field(default_factory=lambda: list(SUITES))
+    suites: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(SUITES))  # "kernels,e2e"
     profile: str = "full"
     reference: str = "h200"
     unreachable_runs: int = Field(3, ge=1)  # consecutive unreachable runs before a host is released
@@ -75,19 +63,28 @@ class Settings(BaseModel):
         return v
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
-        raw = {field: environ[var] for field, var in ENV.items() if environ.get(var)}
+    def from_env(cls) -> "Settings":
+        """The settings of this process's environment; a bad variable is one SettingsError naming it."""
         try:
-            return cls.model_validate(raw)
+            return cls()
         except ValidationError as e:
             err = e.errors()[0]
             field = str(err["loc"][0]) if err["loc"] else "?"
-            raise SettingsError(f"{ENV.get(field, field)}: {err['msg']}") from None
+            raise SettingsError(f"{env_var(field)}: {err['msg']}") from None
 
     def env(self) -> dict[str, str]:
         """The variables that reproduce these settings in another process (serve, worker)."""
         out = {}
-        for field, var in ENV.items():
+        for field in type(self).model_fields:
             v = getattr(self, field)
-            out[var] = ",".join(v) if isinstance(v, list) else str(int(v) if isinstance(v, bool) else v)
+            out[env_var(field)] = ",".join(v) if isinstance(v, list) else str(int(v) if isinstance(v, bool) else v)
         return out
+
+
+def env_var(field: str) -> str:
+    """The KDBENCH_* variable of a settings field (the variable's own name passes through)."""
+    info = Settings.model_fields.get(field)
+    alias = info.validation_alias if info else None
+    if isinstance(alias, AliasChoices):
+        return str(alias.choices[-1])
+    return field if field.startswith(PREFIX) else f"{PREFIX}{field.upper()}"

@@ -1,27 +1,29 @@
-"""The artifacts store: validated Arrow runs, one Hive partition per host and run, plus a run index.
+"""The artifacts store: validated runs in a table-first Hive layout, one manifest per complete run.
 
 Layout under the root (a local path or any pyarrow filesystem URI such as s3://bucket/prefix):
 
-    runs/host=<host>/run=<run_id>/<table>.arrow     one file per result table of that run
-    runs/host=<host>/run=<run_id>/_manifest.json    sha256 per file ("_": dataset discovery skips it)
-    runs/_index.jsonl                               one line per run, sorted ("_" for the same reason)
-    backtest/backtest.json                          the latest backtest results (flows.backtest)
-    reference/<name>/<table>.arrow                  committed reference datasets
+    <table>/host=<host>/run=<run_id>/part-0.parquet   one file per result table of a run (runs, kernels, e2e, comm)
+    _manifests/host=<host>/run=<run_id>.json          written last: the run is complete; its summary and sha256s
+    quarantine/host=<host>/run=<run_id>/...           rejected files and why (flows.pull)
+    backtest/backtest.json                            the latest backtest results (flows.backtest)
+    reference/<name>/<table>.arrow                    committed reference datasets, as engine.bench wrote them
 
-The partition key is `run`, not `run_id`, because every table already carries a `run_id` column;
-`host` is only a column in the runs table, where ingest checks it equals the partition value.
-Nothing is accepted without passing engine.schema.read_table, so a reader never meets a bad file.
+So one line reads one table across every run: `pyarrow.dataset.dataset("<root>/kernels", partitioning="hive")`,
+DuckDB's `read_parquet('<root>/kernels/*/*/*.parquet', hive_partitioning = true)` or polars'
+`scan_parquet`. Parquet at rest, Arrow IPC on the wire: docs/store.md says why.
 
-On an object store (s3://) each file is written by one PUT, which S3 makes atomic: a reader sees the
-whole old or the whole new object. There is no lock there, so the index update is a plain
-read-modify-write: two controllers ingesting at the same moment can lose one index line. That run's
-files stay under runs/ (dataset() still finds them) and ingesting it again restores the line.
+A run is visible to kdbench (runs, load, dataset, notes, projection) only once its manifest exists,
+and ingest writes it after every table file, the runs table last of those. There is no shared index:
+each run owns its objects, so concurrent ingests on S3 (one atomic PUT per object, no lock) cannot
+lose each other's runs. The partition key is `run`, not `run_id`, because every table already carries
+a `run_id` column; `host` is also a column of the runs table, where ingest checks it equals the
+partition value. Nothing is stored without passing engine.schema.validate, and nothing is read back
+without it either.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import re
 from datetime import datetime, timezone
@@ -31,14 +33,18 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
-from filelock import FileLock
-from pydantic import BaseModel
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ValidationError
 
+from engine.files import atomic_write_bytes
 from engine.schema import SCHEMAS, TABLES, SchemaError, check_run_tables, read_table, validate
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
-INDEX = "runs/_index.jsonl"
-MANIFEST = "_manifest.json"
+MANIFESTS = "_manifests"
+PART = "part-0.parquet"
+LAYOUT = 2  # 1: runs/host=<h>/run=<id>/<table>.arrow with runs/_index.jsonl (flows.store_migrate reads it)
+OLD_INDEX = "runs/_index.jsonl"
+_MAX_MANIFEST = 1 << 20
 
 
 class StoreError(Exception):
@@ -56,6 +62,33 @@ class RunInfo(BaseModel):
     reference_run_id: str | None = None
 
 
+class StoredFile(BaseModel):
+    path: str                        # relative to the store root
+    sha256: str
+    rows: int
+
+
+class Manifest(RunInfo):
+    """What `_manifests/host=<h>/run=<id>.json` holds: the run's summary and every file it owns."""
+
+    layout: int = LAYOUT
+    files: dict[str, StoredFile]     # table -> file
+    migrated_from: dict[str, str] = {}  # layout-1 file name -> its sha256, for runs moved by `store migrate`
+
+    def info(self) -> RunInfo:
+        return RunInfo.model_validate(self.model_dump(include=set(RunInfo.model_fields)))
+
+
+class Reindexed(BaseModel):
+    """What `Store.reindex` did; `orphans` and `bad` were left untouched for a person to look at."""
+
+    written: list[str] = []          # host/run whose manifest was (re)written
+    unchanged: list[str] = []
+    removed: list[str] = []          # manifests of runs with no files left
+    orphans: list[str] = []          # partitions without a runs table: an ingest that never finished
+    bad: dict[str, str] = {}         # host/run -> why its files did not validate
+
+
 def default_root() -> str:
     return str(Path(__file__).resolve().parent.parent / "artifacts")
 
@@ -68,8 +101,8 @@ def check_name(kind: str, value: str) -> str:
 
 
 def run_info(host: str, run_id: str, tables: dict[str, pa.Table]) -> RunInfo:
-    """Summarise a run from its runs table (checked by check_run_tables): complete only when every
-    suite finished or was skipped."""
+    """Summarise a run from its tables (checked by check_run_tables, the runs table included):
+    complete only when every suite finished or was skipped."""
     rows = tables["runs"].to_pylist()
     sources = {r["source"] for r in rows}
     done = all(r["status"] in ("complete", "skipped") for r in rows)
@@ -83,15 +116,29 @@ def run_info(host: str, run_id: str, tables: dict[str, pa.Table]) -> RunInfo:
                    reference_run_id=min(refs) if refs else None)
 
 
-def table_bytes(table: pa.Table) -> bytes:
+def parquet_bytes(table: pa.Table) -> bytes:
+    """One Parquet file (zstd, one row group); the schema with its kdbench metadata travels inside."""
     sink = pa.BufferOutputStream()
-    with ipc.new_file(sink, table.schema) as w:
-        w.write_table(table)
+    pq.write_table(table, sink, compression="zstd")
     return sink.getvalue().to_pybytes()
 
 
+def part_path(table: str, host: str, run_id: str) -> str:
+    return f"{table}/host={host}/run={run_id}/{PART}"
+
+
+def manifest_path(host: str, run_id: str) -> str:
+    return f"{MANIFESTS}/host={host}/run={run_id}.json"
+
+
+def hive_key(path: str) -> tuple[str, str] | None:
+    """(host, run) of a file `.../host=<h>/run=<id>/<name>` or a manifest `.../host=<h>/run=<id>.json`."""
+    m = re.search(r"host=([^/]+)/run=([^/]+)/[^/]+$", path) or re.search(r"host=([^/]+)/run=([^/]+)\.json$", path)
+    return (m.group(1), m.group(2)) if m else None
+
+
 class Store:
-    """Results on any pyarrow filesystem; local roots get a file lock around index updates (none on S3)."""
+    """Results on any pyarrow filesystem; a local root writes every file atomically (temp + rename)."""
 
     def __init__(self, root: str | None = None):
         root = root or default_root()
@@ -102,41 +149,61 @@ class Store:
         self.base = base.rstrip("/")
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
 
-    def _p(self, *parts: str) -> str:
+    def full(self, *parts: str) -> str:
+        """The filesystem path of a store-relative path."""
         return "/".join([self.base, *parts])
 
-    def _exists(self, path: str) -> bool:
+    def exists(self, path: str) -> bool:
+        """Whether a full path (see `full`) exists, file or folder."""
         return self.fs.get_file_info(path).type != pafs.FileType.NotFound
 
-    def _write(self, path: str, data: bytes) -> None:
-        """Write whole files through a temporary name where the filesystem can rename atomically."""
-        self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    def files_under(self, folder: str) -> list[pafs.FileInfo]:
+        """Every file below a store-relative folder (none when it does not exist)."""
+        sel = pafs.FileSelector(self.full(folder), recursive=True, allow_not_found=True)
+        return [i for i in self.fs.get_file_info(sel) if i.type == pafs.FileType.File]
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """A whole file under the root: atomic rename locally, one PUT (atomic too) on an object store."""
+        path = self.full(rel)
         if self.local:
-            tmp = f"{path}.tmp"
-            with self.fs.open_output_stream(tmp) as f:
-                f.write(data)
-            self.fs.move(tmp, path)
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(Path(path), data)
         else:
             with self.fs.open_output_stream(path) as f:
                 f.write(data)
 
-    def _read_arrow(self, path: str) -> pa.Table:
-        with self.fs.open_input_file(path) as f:
-            try:
-                table = ipc.open_file(f).read_all()
-            except (pa.ArrowInvalid, OSError) as e:
-                raise SchemaError(f"{path.rsplit('/', 1)[-1]}: not a readable Arrow IPC file ({e})") from None
-        return validate(table, path[len(self.base) + 1:])
+    def read_bytes(self, rel: str, limit: int | None = None) -> bytes:
+        """A whole file; StoreError past `limit` bytes (manifests and old indexes are bounded)."""
+        with self.fs.open_input_stream(self.full(rel)) as f:
+            data = f.read(limit + 1) if limit else f.read()
+        if limit and len(data) > limit:
+            raise StoreError(f"{rel}: larger than {limit} bytes")
+        return data
 
-    def _lock(self) -> FileLock | _NoLock:
-        if not self.local:
-            return _NoLock()
-        Path(self._p("runs")).mkdir(parents=True, exist_ok=True)
-        return FileLock(self._p("runs", ".index.lock"))
+    def _read_part(self, rel: str, sha256: str) -> pa.Table:
+        """A stored Parquet file, checked against the digest its manifest recorded and the schema."""
+        data = self.read_bytes(rel)
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise SchemaError(f"{rel}: sha256 differs from the run's manifest (changed after ingest)")
+        return _parse_part(rel, data)
+
+    def read_arrow(self, rel: str) -> pa.Table:
+        """An Arrow IPC file under the root (reference datasets, layout-1 runs), fully validated."""
+        try:
+            table = ipc.open_file(pa.py_buffer(self.read_bytes(rel))).read_all()
+            table.validate(full=True)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise SchemaError(f"{rel}: not a readable Arrow IPC file ({e})") from None
+        return validate(table, rel)
+
+    def _check_old_layout(self) -> None:
+        if self.exists(self.full(OLD_INDEX)):
+            raise StoreError(f"{self.full(OLD_INDEX)}: this store is in the old layout "
+                             "(runs/host=<h>/run=<id>/<table>.arrow); run `kdbench store migrate` once")
 
     # -- writing ---------------------------------------------------------------------------
 
-    def ingest(self, host: str, run_id: str, src_dir: Path) -> Path:
+    def ingest(self, host: str, run_id: str, src_dir: Path) -> RunInfo:
         """Copy a pulled run into the store, refusing it whole if any file fails validation."""
         check_name("host", host), check_name("run id", run_id)
         files = sorted(Path(src_dir).glob("*.arrow"))
@@ -147,103 +214,198 @@ class Store:
             if f.stem not in TABLES:
                 raise StoreError(f"run {run_id} of {host}: unexpected file {f.name}")
             tables[f.stem] = read_table(f)
-        self.put_tables(host, run_id, tables)
-        return Path(self._p("runs", f"host={host}", f"run={run_id}"))
+        return self.put_tables(host, run_id, tables)
 
-    def put_tables(self, host: str, run_id: str, tables: dict[str, pa.Table]) -> None:
-        """Store one run's tables (measured or projected) and record it in the index."""
+    def put_tables(self, host: str, run_id: str, tables: dict[str, pa.Table],
+                   migrated_from: dict[str, str] | None = None, ingested_at: str | None = None) -> RunInfo:
+        """Store one run's tables (measured or projected); the run appears when its manifest does.
+
+        `ingested_at` orders runs: now by default; `store migrate` keeps a run's original one ("" when
+        its old index never recorded one: such runs sort first, by run id)."""
         check_name("host", host), check_name("run id", run_id)
+        unknown = sorted(set(tables) - set(TABLES))
+        if unknown:
+            raise StoreError(f"run {run_id} of {host}: unknown table {unknown[0]!r}")
         if "runs" not in tables:
-            raise StoreError(f"run {run_id} of {host}: no runs.arrow")
+            raise StoreError(f"run {run_id} of {host}: no runs table")
         try:
             check_run_tables(host, run_id, tables)
         except SchemaError as e:
             raise StoreError(f"run {run_id} of {host}: {e}") from None
         info = run_info(host, run_id, tables)
-        info.ingested_at = datetime.now(timezone.utc).isoformat(timespec="microseconds")
-        leaf = self._p("runs", f"host={host}", f"run={run_id}")
-        sums = {}
-        for name in sorted(tables):
-            data = table_bytes(tables[name])
-            self._write(f"{leaf}/{name}.arrow", data)
-            sums[f"{name}.arrow"] = hashlib.sha256(data).hexdigest()
-        self._write(f"{leaf}/{MANIFEST}", json.dumps({"files": sums}, indent=1, sort_keys=True).encode())
-        with self._lock():
-            index = {(r.host, r.run_id): r for r in self._read_index()}
-            index[(host, run_id)] = info
-            body = "".join(json.dumps(r.model_dump(), sort_keys=True) + "\n"
-                           for _, r in sorted(index.items()))
-            self._write(self._p(INDEX), body.encode())
+        info.ingested_at = datetime.now(timezone.utc).isoformat(timespec="microseconds") \
+            if ingested_at is None else ingested_at
+        files = {}
+        for name in sorted(tables, key=lambda t: (t == "runs", t)):  # the runs table last: reindex relies on it
+            data = parquet_bytes(tables[name])
+            rel = part_path(name, host, run_id)
+            self.write_bytes(rel, data)
+            files[name] = StoredFile(path=rel, sha256=hashlib.sha256(data).hexdigest(), rows=tables[name].num_rows)
+        manifest = Manifest(**info.model_dump(), files=files, migrated_from=migrated_from or {})
+        self._write_manifest(manifest)
+        for name in set(TABLES) - set(tables):  # a re-ingest with fewer tables leaves no stale partition
+            leaf = self.full(name, f"host={host}", f"run={run_id}")
+            if self.exists(leaf):
+                self.fs.delete_dir(leaf)
+        return info
+
+    def _write_manifest(self, m: Manifest) -> None:
+        body = json.dumps(m.model_dump(mode="json"), indent=1, sort_keys=True) + "\n"
+        self.write_bytes(manifest_path(m.host, m.run_id), body.encode())
 
     def put_json(self, rel: str, obj: object) -> None:
         """A derived document under the root (e.g. backtest results), written whole."""
-        self._write(self._p(rel), json.dumps(obj, indent=1, sort_keys=True).encode())
+        self.write_bytes(rel, json.dumps(obj, indent=1, sort_keys=True).encode())
 
     # -- reading ---------------------------------------------------------------------------
 
     def get_json(self, rel: str) -> object | None:
-        path = self._p(rel)
-        if not self._exists(path):
+        """A derived document written by `put_json`, or None when there is none yet."""
+        if not self.exists(self.full(rel)):
             return None
-        with self.fs.open_input_stream(path) as f:
-            return json.loads(f.read().decode())
+        return json.loads(self.read_bytes(rel).decode())
 
-    def _read_index(self) -> list[RunInfo]:
-        path = self._p(INDEX)
-        if not self._exists(path):
-            return []
-        with self.fs.open_input_stream(path) as f:
-            text = f.read().decode()
-        return [RunInfo.model_validate_json(line) for line in io.StringIO(text) if line.strip()]
+    def manifests(self, host: str | None = None) -> list[Manifest]:
+        """Every complete run's manifest (of one host) in the order the controller stored them (runs
+        stored before that was recorded first, by run id). A host's own started_at never decides
+        which run is latest."""
+        self._check_old_layout()
+        folder = f"{MANIFESTS}/host={check_name('host', host)}" if host else MANIFESTS
+        out = []
+        for i in self.files_under(folder):
+            if not i.base_name.endswith(".json"):
+                continue
+            rel = i.path[len(self.base) + 1:]
+            try:
+                m = Manifest.model_validate_json(self.read_bytes(rel, _MAX_MANIFEST))
+            except ValidationError as e:
+                raise StoreError(f"{rel}: not a kdbench run manifest ({e.errors()[0]['msg']}); "
+                                 "`kdbench store reindex` rebuilds it from the run's files") from None
+            if hive_key(rel) != (m.host, m.run_id):
+                raise StoreError(f"{rel}: names run {m.run_id} of {m.host}; `kdbench store reindex` rebuilds it")
+            out.append(m)
+        return sorted(out, key=lambda m: (m.ingested_at or "", m.run_id))
 
     def runs(self, host: str | None = None) -> list[RunInfo]:
-        """Runs in the index in the order the controller stored them (runs indexed before that was
-        recorded first, by run id), optionally of one host. A host's own started_at never decides
-        which run is latest."""
-        rows = [r for r in self._read_index() if host is None or r.host == host]
-        return sorted(rows, key=lambda r: (r.ingested_at or "", r.run_id))
+        """Complete (manifested) runs in the order they were stored (see `manifests`), optionally of one host."""
+        return [m.info() for m in self.manifests(host)]
+
+    def manifest(self, host: str, run_id: str) -> Manifest:
+        check_name("host", host), check_name("run id", run_id)
+        rel = manifest_path(host, run_id)
+        if not self.exists(self.full(rel)):
+            self._check_old_layout()
+            raise StoreError(f"no run {run_id} of host {host} in the store")
+        return Manifest.model_validate_json(self.read_bytes(rel, _MAX_MANIFEST))
+
+    def run(self, host: str, run_id: str) -> RunInfo:
+        """One run's summary; StoreError when the store has no complete run of that id."""
+        return self.manifest(host, run_id).info()
 
     def load(self, host: str, run_id: str) -> dict[str, pa.Table]:
-        check_name("host", host), check_name("run id", run_id)
-        leaf = self._p("runs", f"host={host}", f"run={run_id}")
-        if not self._exists(leaf):
-            raise StoreError(f"no run {run_id} of host {host} in the store")
-        return {t: self._read_arrow(f"{leaf}/{t}.arrow") for t in TABLES
-                if self._exists(f"{leaf}/{t}.arrow")}
+        return {t: self._read_part(f.path, f.sha256) for t, f in self.manifest(host, run_id).files.items()}
 
     def reference(self, name: str) -> dict[str, pa.Table]:
         """A committed reference dataset (artifacts/reference/<name>/), validated like any run."""
         check_name("reference", name)
-        leaf = self._p("reference", name)
-        tables = {t: self._read_arrow(f"{leaf}/{t}.arrow") for t in TABLES
-                  if self._exists(f"{leaf}/{t}.arrow")}
+        tables = {t: self.read_arrow(f"reference/{name}/{t}.arrow") for t in TABLES
+                  if self.exists(self.full("reference", name, f"{t}.arrow"))}
         if "runs" not in tables:
             raise StoreError(f"reference dataset {name!r} is missing: expected artifacts/reference/{name}/runs.arrow "
                              f"(record it with `python -m engine.bench` on the {name} host)")
         return tables
 
     def references(self) -> list[str]:
-        sel = pafs.FileSelector(self._p("reference"), allow_not_found=True)
+        sel = pafs.FileSelector(self.full("reference"), allow_not_found=True)
         return sorted(i.base_name for i in self.fs.get_file_info(sel)
-                      if i.type == pafs.FileType.Directory and self._exists(f"{i.path}/runs.arrow"))
+                      if i.type == pafs.FileType.Directory and self.exists(f"{i.path}/runs.arrow"))
 
     def dataset(self, table: str) -> ds.Dataset:
-        """One table across all runs, with `host` and `run` from the Hive partition directories."""
+        """One table across all complete runs, with `host` and `run` from the Hive partition folders.
+
+        Only files a manifest names are read: a run still being ingested, or one whose ingest was
+        cut short, never shows up here (a raw glob over <table>/ may see it).
+        """
         if table not in TABLES:
             raise StoreError(f"unknown table {table!r}; tables are {', '.join(TABLES)}")
-        root = self._p("runs")
-        sel = pafs.FileSelector(root, recursive=True, allow_not_found=True)
-        files = sorted(i.path for i in self.fs.get_file_info(sel) if i.base_name == f"{table}.arrow")
-        return ds.dataset(files, schema=_dataset_schema(table), filesystem=self.fs, format="arrow",
-                          partitioning=ds.partitioning(flavor="hive"), partition_base_dir=root)
+        files = sorted(self.full(m.files[table].path) for m in self.manifests() if table in m.files)
+        keys = pa.schema([("host", pa.string()), ("run", pa.string())])
+        return ds.dataset(files, schema=_dataset_schema(table), filesystem=self.fs, format="parquet",
+                          partitioning=ds.partitioning(keys, flavor="hive"), partition_base_dir=self.full(table))
+
+    # -- derived state ---------------------------------------------------------------------
+
+    def reindex(self) -> Reindexed:
+        """Rebuild every manifest from the run folders: the summary and sha256s come from the files,
+        the time it was stored from the old manifest, else from the runs table's modification time.
+
+        A run whose runs table is there has all its files (ingest writes that table last), so it is
+        (re)indexed; partitions without one are orphans of an ingest that never finished and are
+        only reported, like runs whose files do not validate. Manifests of runs with no files left
+        are removed. Nothing under a table folder is ever deleted.
+        """
+        self._check_old_layout()
+        found: dict[tuple[str, str], dict[str, str]] = {}
+        stored: dict[tuple[str, str], str] = {}  # when each runs table was written (just before its manifest)
+        for table in TABLES:
+            for i in self.files_under(table):
+                key = hive_key(i.path)
+                if key and i.base_name == PART:
+                    found.setdefault(key, {})[table] = i.path[len(self.base) + 1:]
+                    if table == "runs" and i.mtime is not None:
+                        stored[key] = i.mtime.astimezone(timezone.utc).isoformat(timespec="microseconds")
+        report = Reindexed()
+        existing = {}
+        for i in self.files_under(MANIFESTS):
+            key = hive_key(i.path)
+            if key:
+                existing[key] = i.path[len(self.base) + 1:]
+        for key, rel in sorted(existing.items()):
+            if key not in found:
+                self.fs.delete_file(self.full(rel))
+                report.removed.append("/".join(key))
+        for (host, run_id), parts in sorted(found.items()):
+            label = f"{host}/{run_id}"
+            if "runs" not in parts:
+                report.orphans.append(label)
+                continue
+            try:
+                check_name("host", host), check_name("run id", run_id)
+                datas = {t: self.read_bytes(rel) for t, rel in parts.items()}
+                tables = {t: _parse_part(rel, datas[t]) for t, rel in parts.items()}
+                check_run_tables(host, run_id, tables)
+                info = run_info(host, run_id, tables)
+            except (SchemaError, StoreError) as e:
+                report.bad[label] = str(e)
+                continue
+            old = None
+            if (host, run_id) in existing:
+                try:
+                    old = self.manifest(host, run_id)
+                except (ValidationError, StoreError):
+                    old = None
+            files = {t: StoredFile(path=parts[t], sha256=hashlib.sha256(datas[t]).hexdigest(),
+                                   rows=tables[t].num_rows) for t in sorted(parts)}
+            info.ingested_at = old.ingested_at if old else stored.get((host, run_id))
+            new = Manifest(**info.model_dump(), files=files, migrated_from=old.migrated_from if old else {})
+            if old == new:
+                report.unchanged.append(label)
+            else:
+                self._write_manifest(new)
+                report.written.append(label)
+        return report
+
+
+def _parse_part(rel: str, data: bytes) -> pa.Table:
+    try:
+        table = pq.read_table(pa.BufferReader(data))
+        table.validate(full=True)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise SchemaError(f"{rel}: not a readable Parquet file ({e})") from None
+    return validate(table, rel)
 
 
 def _dataset_schema(table: str) -> pa.Schema:
     schema = SCHEMAS[table]
     extra = [pa.field(k, pa.string()) for k in ("host", "run") if k not in schema.names]
     return pa.schema(list(schema) + extra)
-
-
-class _NoLock:
-    def __enter__(self) -> None: ...
-    def __exit__(self, *exc: object) -> None: ...

@@ -343,9 +343,9 @@ def test_a_far_future_started_at_does_not_stay_latest(tmp_path: Path) -> None:
         store.ingest(HOST, run_id, d)
     assert [r.run_id for r in store.runs(HOST)] == [RUN, later]
     # runs stored before ingested_at was recorded still read, ordered by run id, before newer ones
-    index = Path(store.base) / "runs" / "_index.jsonl"
-    lines = [json.loads(line) for line in index.read_text().splitlines()]
-    lines[0].pop("ingested_at")
-    index.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    manifest = Path(store.base) / "_manifests" / f"host={HOST}" / f"run={RUN}.json"
+    m = json.loads(manifest.read_text())
+    m.pop("ingested_at")
+    manifest.write_text(json.dumps(m))
     assert [r.run_id for r in store.runs(HOST)][-1] == later
     assert measured_runs(store, HOST)[-1].run_id == later  # what the notes call the latest run

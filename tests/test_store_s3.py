@@ -1,7 +1,8 @@
 """The artifacts store on a real S3 API: a moto server on loopback, reached through an s3:// URI root.
 
 Proves the promise in flows/store.py that the root may be any pyarrow filesystem URI: ingest, the run
-index, load, dataset and refusal of bad files all go through the S3 filesystem, never a local path.
+manifests, load, dataset and refusal of bad files all go through the S3 filesystem, never a local path;
+and that controllers ingesting at the same moment (a fleet run) lose no run.
 """
 
 from __future__ import annotations
@@ -10,19 +11,24 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pytest
+from prefect.logging import disable_run_logger
 
 from engine.schema import SchemaError, read_table
+from flows.bench_flow import ingest
 from flows.pull import Pulled, quarantine
 from flows.settings import Settings
-from flows.store import Store
+from flows.store import Store, StoreError
+from flows.store_migrate import migrate
 from test_projection_synth import write_run
 
 pytestmark = pytest.mark.integration
@@ -99,15 +105,16 @@ def test_s3_root_round_trip(s3_root: str, bench_run: Path, tmp_path: Path) -> No
     assert isinstance(store.fs, pafs.S3FileSystem) and store.base == f"{BUCKET}/team"
     assert store.runs() == [] and store.dataset("kernels").to_table().num_rows == 0
     store.ingest("sbx", RUN, bench_run)
-    # the objects are in the bucket under the Hive layout, not on the local disk
-    leaf = f"{BUCKET}/team/runs/host=sbx/run={RUN}"
-    names = {i.base_name for i in store.fs.get_file_info(pafs.FileSelector(leaf))}
-    assert names == {"runs.arrow", "kernels.arrow", "_manifest.json"}
-    assert not Path(leaf).exists()
+    # the objects are in the bucket under the table-first Hive layout, not on the local disk
+    names = {i.path.removeprefix(f"{BUCKET}/team/") for i in store.fs.get_file_info(
+        pafs.FileSelector(f"{BUCKET}/team", recursive=True)) if i.type == pafs.FileType.File}
+    assert names == {f"runs/host=sbx/run={RUN}/part-0.parquet", f"kernels/host=sbx/run={RUN}/part-0.parquet",
+                     f"_manifests/host=sbx/run={RUN}.json"}
+    assert not Path(f"{BUCKET}/team").exists()
 
     other = write_run(tmp_path / "h200", host="h200", run_id="h200-1", started_at="2000-01-01T00:00:00Z")
     store.ingest("h200", "h200-1", other)
-    reopened = Store(s3_root)  # a second controller sees the same index
+    reopened = Store(s3_root)  # a second controller sees the same runs
     # in the order they were stored: the host's own (earlier) started_at does not reorder them
     assert [(r.host, r.run_id) for r in reopened.runs()] == [("sbx", RUN), ("h200", "h200-1")]
     [info] = reopened.runs("sbx")
@@ -133,13 +140,13 @@ def test_s3_root_refuses_bad_files(s3_root: str, bench_run: Path, tmp_path: Path
     with pytest.raises(SchemaError, match="kernels.arrow"):
         store.ingest("sbx", RUN, bad)
     assert store.runs() == []
-    assert store.fs.get_file_info(f"{store.base}/runs/host=sbx").type == pafs.FileType.NotFound
+    assert store.fs.get_file_info(f"{store.base}/kernels/host=sbx").type == pafs.FileType.NotFound
 
     # a file damaged in the bucket after ingest is refused on the way out too
     store.ingest("sbx", RUN, bench_run)
-    with store.fs.open_output_stream(f"{store.base}/runs/host=sbx/run={RUN}/kernels.arrow") as f:
+    with store.fs.open_output_stream(f"{store.base}/kernels/host=sbx/run={RUN}/part-0.parquet") as f:
         f.write(b"damaged")
-    with pytest.raises(SchemaError, match="kernels.arrow"):
+    with pytest.raises(SchemaError, match="kernels/host=sbx"):
         store.load("sbx", RUN)
 
 
@@ -165,3 +172,48 @@ def test_s3_root_from_settings_and_quarantine(s3_root: str, bench_run: Path, mon
     store.ingest("sbx", RUN, pulled.accepted_dir)
     assert [r.run_id for r in store.runs()] == [RUN]
     assert store.dataset("e2e").to_table().num_rows == 0
+
+
+def test_concurrent_ingests_lose_no_run(s3_root: str, tmp_path: Path) -> None:
+    """A fleet run: eight controllers ingest into one bucket at the same moment, through the flow's
+    ingest step. With the old shared index (read-modify-write, no lock on S3) lines went missing and
+    the flow's lookup of its own run raised StopIteration; per-run manifests leave nothing to lose."""
+    runs = [(f"f{i}", f"f{i}-run") for i in range(8)]
+    for i, (host, run_id) in enumerate(runs):
+        write_run(tmp_path / run_id, host=host, run_id=run_id, started_at=f"2026-11-0{i + 1}T00:00:00Z")
+    barrier = threading.Barrier(len(runs))
+
+    def one(host: str, run_id: str) -> str | None:
+        pulled = Pulled(accepted_dir=tmp_path / run_id, accepted=["runs.arrow"], quarantined={})
+        store = Store(s3_root)  # each controller its own client
+        barrier.wait(timeout=60)
+        info = ingest.fn(store, host, run_id, pulled)
+        return info.run_id if info else None
+
+    with disable_run_logger(), ThreadPoolExecutor(len(runs)) as pool:
+        returned = list(pool.map(lambda hr: one(*hr), runs))
+    assert returned == [r for _, r in runs]  # each ingest returns its own run
+    store = Store(s3_root)
+    assert sorted((r.host, r.run_id) for r in store.runs()) == sorted(runs)
+    assert {store.run(h, r).status for h, r in runs} == {"complete"}
+    assert set(store.dataset("runs").to_table().column("run").to_pylist()) == {r for _, r in runs}
+
+
+def test_s3_store_in_the_old_layout_migrates(s3_root: str, bench_run: Path) -> None:
+    """`kdbench store migrate` on a bucket: layout-1 objects become the table-first layout."""
+    store = Store(s3_root)
+    old = f"runs/host=sbx/run={RUN}"
+    for f in sorted(bench_run.glob("*.arrow")):
+        store.write_bytes(f"{old}/{f.name}", f.read_bytes())
+    store.write_bytes(f"{old}/stray.txt", b"kept\n")
+    store.write_bytes("runs/_index.jsonl", f'{{"host": "sbx", "run_id": "{RUN}"}}\n'.encode())
+    with pytest.raises(StoreError, match="store migrate"):
+        store.runs()
+    report = migrate(store)
+    assert report.runs == [f"sbx/{RUN}"] and list(report.set_aside) == [f"_unmigrated/host=sbx/run={RUN}/stray.txt"]
+    assert [r.run_id for r in store.runs()] == [RUN]
+    for name, table in store.load("sbx", RUN).items():
+        assert table.equals(read_table(bench_run / f"{name}.arrow"), check_metadata=True)
+    left = {i.path.removeprefix(f"{store.base}/") for i in store.files_under("runs")}
+    assert left == {f"{old}/part-0.parquet"}
+    assert store.read_bytes(f"_unmigrated/host=sbx/run={RUN}/stray.txt") == b"kept\n"
