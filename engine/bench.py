@@ -2,7 +2,8 @@
 
     python -m engine.bench --suite kernels|e2e|comm --profile smoke|full --host NAME --out DIR
                            [--run-id ID] [--payload-hash H] [--device auto|cuda|cpu]
-                           [--layers N] [--vocab V] [--accept LEVEL]      (e2e only)
+                           [--layers N] [--vocab V] [--accept LEVEL] [--tp N]
+                           [--comm-model JSON]                            (e2e only)
 
 Writes DIR/<suite>.arrow and DIR/runs.arrow after every point (status "partial" until the suite
 ends) plus DIR/manifest.json, and prints one `KDBENCH {json}` line per point and one at the end.
@@ -24,7 +25,9 @@ from typing import Callable
 
 import torch
 
-from engine import bench_comm, bench_e2e, bench_kernels
+from engine import bench_comm, bench_e2e, bench_kernels, comm_model
+from engine import tp as tpar
+from engine.config import CONFIGS, make_config
 from engine.env import UsageError, facts, fail, now_iso, pick_device
 from engine.results import SuiteWriter, Terminated, install_signal_handlers
 from engine.timing import copy_gbps, matmul_tflops
@@ -43,10 +46,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--run-id", help="defaults to <host>-<UTC timestamp>")
     ap.add_argument("--payload-hash", help="content hash of the deployed payload (recorded)")
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    ap.add_argument("--layers", type=int, help="e2e: target layers (default: profile's, k2 uses 2)")
+    ap.add_argument("--layers", type=int, help="e2e: target layers, at most the config's (default: the "
+                                               "profile's; CUDA full runs all 61 of k2)")
     ap.add_argument("--vocab", type=int, help="e2e: smaller lm-head vocab if memory demands (recorded)")
-    ap.add_argument("--accept", type=float, help="e2e: synthetic acceptance level of the steered drafter, 0..1 "
-                                                 "(default 0.8; recorded as synthetic_accept)")
+    ap.add_argument("--accept", type=float, help="e2e: one synthetic acceptance level of the steered drafter, "
+                                                 "0..1, instead of the profile's sweep (recorded as synthetic_accept)")
+    ap.add_argument("--tp", type=int, help="e2e: one tensor-parallel degree instead of the profile's: rank 0 of "
+                                           "a TP-N deployment at one GPU's shapes; must divide heads, the expert "
+                                           "and dense intermediates and the vocab (recorded as tp)")
+    ap.add_argument("--comm-model", help='e2e: the modelled all-reduce for tp > 1, JSON {"alpha_us": .., '
+                                         '"busbw_gbps": .., "source": ".."} (default: a fit of the h200 '
+                                         'reference 2-GPU all-reduce)')
     a = ap.parse_args(argv)
     a.run_id = a.run_id or f"{a.host}-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}"
     for flag, v in (("--host", a.host), ("--run-id", a.run_id), ("--payload-hash", a.payload_hash)):
@@ -58,7 +68,31 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(f"--vocab must be >= 2, got {a.vocab}")
     if a.accept is not None and not 0.0 <= a.accept <= 1.0:
         raise UsageError(f"--accept must be within 0..1, got {a.accept}")
+    try:
+        a.comm_model = comm_model.DEFAULT if a.comm_model is None else comm_model.parse(a.comm_model)
+    except ValueError as e:
+        raise UsageError(f"--comm-model: {e}") from None
     return a
+
+
+def e2e_profile(a: argparse.Namespace, device: torch.device) -> bench_e2e.E2EProfile:
+    """The e2e profile with the flags applied, checked against its config (UsageError names the flag)."""
+    prof = bench_e2e.PROFILES[(device.type, a.profile)]
+    if a.accept is not None:
+        prof = dataclasses.replace(prof, levels=(a.accept,))
+    if a.tp is not None:
+        prof = dataclasses.replace(prof, tps=(a.tp,))
+    cfg = CONFIGS[prof.config]
+    if a.layers is not None and a.layers > cfg.layers:
+        raise UsageError(f"--layers {a.layers}: {cfg.name} has {cfg.layers} layers")
+    cfg = make_config(prof.config, vocab=a.vocab)
+    for tp in prof.tps:
+        try:
+            tpar.check(cfg, tp)
+        except ValueError as e:
+            flag = "--vocab" if a.vocab is not None and "vocab" in str(e) and a.tp is None else "--tp"
+            raise UsageError(f"{flag}: {e}") from None
+    return prof
 
 
 def provenance(a: argparse.Namespace, f: dict, device: torch.device) -> dict:
@@ -85,10 +119,7 @@ def run_suite(a: argparse.Namespace, device: torch.device, prov: dict) -> int:
         kb = bench_kernels.KernelBench(bench_kernels.PROFILES[key], device)
         points, note = kb.points(), f"kernels at {kb.p.cfg.name} shapes, {str(kb.dtype).removeprefix('torch.')}"
     else:
-        prof = bench_e2e.PROFILES[key]
-        if a.accept is not None:
-            prof = dataclasses.replace(prof, level=a.accept)
-        eb = bench_e2e.E2EBench(prof, device, layers=a.layers, vocab=a.vocab)
+        eb = bench_e2e.E2EBench(e2e_profile(a, device), device, layers=a.layers, vocab=a.vocab, comm=a.comm_model)
         points, note = eb.points(), eb.note()
     if device.type == "cpu":
         note += "; CPU timings (perf_counter), matmul_tflops is float32"
@@ -137,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         a = parse(argv)
         f = facts()
         device = pick_device(a.device, f)
+        if a.suite == "e2e":
+            e2e_profile(a, device)
     except UsageError as e:
         fail(str(e))
     prov = provenance(a, f, device)

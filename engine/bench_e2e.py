@@ -1,27 +1,44 @@
-"""The e2e suite: DDTree decoding throughput and latency per concurrency x budget.
+"""The e2e suite: DDTree decoding throughput and latency per TP degree x acceptance level x
+concurrency x budget, at the model's full depth.
 
 Acceptance is synthetic: the drafter is steered toward the target's own greedy continuation
-(decoded from the live cache before each step, untimed) at a fixed level, recorded in every row.
+(untimed harness work: the planted successor chain, engine.model) at a fixed level, recorded in
+every row with the accept length it gave. A point whose generated tokens do not follow that chain
+fails (its acceptance would not be the level's).
 Every stage of every step is timed (CUDA events between the stages, one sync a step; see
 engine.decode.StageTimer); `other` is the step's wall time minus the stages.
 On CUDA the stages run as CUDA graphs after the first step (engine.decode.StepGraphs), and each
 point is decoded once more under the kernel profiler: `kernel_ms` is the GPU's busy time per step,
-`outside_ms` the rest of the measured step (Python, launches, gaps between kernels, the step's one sync).
+`outside_ms` the rest of the measured step (Python, launches, gaps between kernels, the step's one
+sync). That second decode must repeat the first exactly (the same tokens and accept lengths).
+
+Tensor parallel (tp > 1): the process is rank 0 of a tp-way deployment (engine.tp) at exactly one
+GPU's shapes; its all-reduces are not run (one process), so `comm_ms` carries them per step from the
+alpha-beta model (engine.comm_model), `comm_source` "modelled" ("none" at tp 1). tokens_per_s and
+the ITL are a deployment's figures: the measured step plus comm_ms (no overlap assumed); step_ms_*,
+the stage columns, kernel_ms and outside_ms are the measured step of rank 0 alone.
+
+One model is built per TP degree (the previous one freed first); on CUDA the MoE layers take their
+weights in rotation from as many distinct sets as memory holds (`weight_sets`). The depth series
+decodes one point at fewer layers of the same model (its first layers).
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from engine import gpu_busy
+from engine import comm_model, gpu_busy
+from engine import tp as tpar
+from engine.comm_model import CommModel
 from engine.config import ModelConfig, make_config
 from engine.decode import STAGES, DecodeResult, Decoder
 from engine.drafter import BlockDrafter
-from engine.model import PLANT_GAIN, TargetModel
+from engine.model import PLANT_GAIN, TargetModel, hot_vocab
 from engine.timing import percentile
 
 Row = dict[str, Any]
@@ -31,97 +48,157 @@ Row = dict[str, Any]
 class E2EProfile:
     config: str
     layers: int
+    tps: tuple[int, ...]  # tensor-parallel degrees (one model each, rank 0)
+    levels: tuple[float, ...]  # synthetic acceptance levels of the steered drafter
     concurrency: tuple[int, ...]
     budgets: tuple[int, ...]
-    level: float  # synthetic acceptance level of the steered drafter
     prompt_len: tuple[int, int]  # prompt lengths drawn uniformly from [lo, hi]
     max_new: int
     warmup_new: int
+    depths: tuple[int, ...] = ()  # the depth series: these layer counts (< layers) at depth_point
+    depth_point: tuple[int, float, int, int] = (1, 0.8, 1, 16)  # its tp, level, concurrency, budget
 
 
 PROFILES: dict[tuple[str, str], E2EProfile] = {
-    ("cuda", "full"): E2EProfile("k2", 2, (1, 2, 4, 8, 16), (16, 64, 256), 0.8, (256, 512), 128, 16),
-    ("cuda", "smoke"): E2EProfile("k2", 2, (1, 4), (16, 64), 0.8, (128, 256), 32, 8),
-    ("cpu", "full"): E2EProfile("k2-mini", 3, (1, 2, 4, 8, 16), (16, 64, 256), 0.8, (8, 32), 48, 8),
-    ("cpu", "smoke"): E2EProfile("k2-mini", 3, (1, 4), (16, 64), 0.8, (8, 32), 24, 0),
+    ("cuda", "full"): E2EProfile("k2", 61, (8, 1), (0.8, 0.85, 0.9), (1, 16), (16, 64), (256, 512), 64, 8,
+                                 depths=(2, 6, 10), depth_point=(1, 0.8, 1, 16)),
+    ("cuda", "smoke"): E2EProfile("k2", 4, (1, 8), (0.8,), (1, 4), (16,), (128, 256), 32, 8),
+    ("cpu", "full"): E2EProfile("k2-mini", 3, (1, 2), (0.6, 0.8, 0.9), (1, 4), (16,), (8, 32), 32, 8,
+                                depths=(1, 2), depth_point=(1, 0.8, 4, 16)),
+    ("cpu", "smoke"): E2EProfile("k2-mini", 3, (1, 2), (0.8,), (1, 4), (16, 64), (8, 32), 24, 0),
 }
 
 
 def prompts_for(cfg: ModelConfig, n: int, lengths: tuple[int, int], seed: int = 7) -> list[list[int]]:
-    """Seeded random prompts of varied length; sequence i is the same at every concurrency."""
+    """Seeded random prompts of varied length over the hot vocab (engine.model); sequence i is the
+    same at every concurrency."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lengths[0], lengths[1] + 1, (n,), generator=g).tolist()
-    return [torch.randint(0, cfg.vocab, (k,), generator=g).tolist() for k in lens]
+    return [torch.randint(0, hot_vocab(cfg), (k,), generator=g).tolist() for k in lens]
 
 
-def summarise(res: DecodeResult) -> Row:
+def summarise(res: DecodeResult, comm_s: float = 0.0) -> Row:
     """Throughput, latency percentiles and the stage split of one measured decode.
 
-    tokens/s: tokens after each sequence's first, over the step loop's wall time (all sequences).
-    TTFT: mean over sequences of the time to their first token (one batched prefill gives every
-    sequence its first token at once). ITL: a step's time divided by the tokens it gave a
-    sequence, over all steps and sequences. Stage columns are per-step means; other = mean step - the named stages.
+    tokens/s: tokens after each sequence's first, over the step loop's wall time plus comm_s per
+    step (all sequences). TTFT: mean over sequences of the time to their first token (one batched
+    prefill gives every sequence its first token at once). ITL: a step's time plus comm_s divided
+    by the tokens it gave a sequence, over all steps and sequences. Stage columns are per-step means
+    of the measured step; other = mean step - the named stages.
     """
     steps = len(res.step_s)
     new = sum(len(t) - 1 for t in res.tokens)  # tokens after the first (which prefill produced)
-    itl = [res.step_s[i] / e for i, em in enumerate(res.emitted) for e in em]
+    itl = [(res.step_s[i] + comm_s) / e for i, em in enumerate(res.emitted) for e in em]
     stage = {s: statistics.mean(res.stage_s[s]) * 1e3 for s in STAGES}
     step_ms = statistics.mean(res.step_s) * 1e3
     acc = [a for per in res.accept_len for a in per]
+    wall = res.decode_s + steps * comm_s
     return {
-        "steps": steps, "tokens_per_s": new / res.decode_s if res.decode_s else None,
+        "steps": steps, "tokens_per_s": new / wall if wall else None,
         "accept_len_mean": statistics.mean(acc),
         "step_ms_p50": percentile(res.step_s, 50) * 1e3, "step_ms_p99": percentile(res.step_s, 99) * 1e3,
         "ttft_ms": statistics.mean(res.ttft_s) * 1e3,
         "itl_ms_p50": percentile(itl, 50) * 1e3, "itl_ms_p99": percentile(itl, 99) * 1e3,
         "draft_ms": stage["draft"], "tree_build_ms": stage["tree_build"], "verify_ms": stage["verify"],
-        "accept_ms": stage["accept"], "other_ms": max(step_ms - sum(stage.values()), 0.0), "comm_ms": 0.0,
+        "accept_ms": stage["accept"], "other_ms": max(step_ms - sum(stage.values()), 0.0), "comm_ms": comm_s * 1e3,
     }
 
 
+# Share of generated tokens that must be their predecessor's planted successor (the steering hints
+# are that chain: a target that leaves it accepts nothing and its row would misreport the level).
+MIN_CHAIN_SHARE = 0.9
+
+
+def chain_share(model: TargetModel, tokens: list[list[int]]) -> float:
+    """Share of consecutive generated pairs (a, b) with b the planted successor of a."""
+    succ, hot = model.successor.tolist(), model.successor.numel()
+    pairs = [(a, b) for seq in tokens for a, b in zip(seq, seq[1:])]
+    return sum(succ[a % hot] == b for a, b in pairs) / len(pairs) if pairs else 1.0
+
+
 class E2EBench:
-    """One model + drafter for the whole suite; each point decodes C prompts at one budget."""
+    """The suite's points; one model (+ drafter) at a time, built when a point needs its TP degree."""
 
     def __init__(self, prof: E2EProfile, device: torch.device, layers: int | None = None,
-                 vocab: int | None = None):
-        self.p, self.dev = prof, device
+                 vocab: int | None = None, comm: CommModel = comm_model.DEFAULT):
+        self.p, self.dev, self.comm = prof, device, comm
         self.cfg = make_config(prof.config, layers=layers or prof.layers, vocab=vocab)
+        for tp in set(prof.tps) | {prof.depth_point[0]}:
+            tpar.check(self.cfg, tp)
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.model = TargetModel(self.cfg, device, self.dtype, seed=0)
-        self.decoder = Decoder(self.model, BlockDrafter(self.model, seed=1))
-        self.prompts = prompts_for(self.cfg, max(prof.concurrency), prof.prompt_len)
+        self.prompts = prompts_for(self.cfg, max(prof.concurrency + (prof.depth_point[2],)), prof.prompt_len)
+        self._tp: int | None = None
+        self._model: TargetModel | None = None
+        self._drafter: BlockDrafter | None = None
 
     def note(self) -> str:
         c, p = self.cfg, self.p
-        return (f"e2e {c.name}: layers={c.layers} vocab={c.vocab} dtype={str(self.dtype).removeprefix('torch.')} "
+        return (f"e2e {c.name}: layers={c.layers} vocab={c.vocab} tp={','.join(map(str, p.tps))} "
+                f"dtype={str(self.dtype).removeprefix('torch.')} "
                 f"L={c.draft_len} k={c.draft_topk} prompts={p.prompt_len[0]}..{p.prompt_len[1]} "
-                f"max_new={p.max_new} synthetic_accept={p.level} (steered drafter; random target with a "
-                f"planted successor, gain {PLANT_GAIN}); "
-                f"accept_len_mean counts accepted draft tokens per step (tokens per step = +1)")
+                f"max_new={p.max_new} synthetic_accept={','.join(map(str, p.levels))} (steered drafter; random "
+                f"target with a planted successor, gain {PLANT_GAIN}, residual branches scaled 1/(2 layers)); "
+                f"accept_len_mean counts accepted draft tokens per step (tokens per step = +1); "
+                f"tp > 1: rank 0 alone, comm_ms modelled per step (two all-reduces a layer of tokens x hidden x 2 "
+                f"bytes + one argmax all-gather) from {self.comm.describe()}; tokens_per_s and itl include comm_ms, "
+                f"step_ms and the stages are the measured step; depth series: layers "
+                f"{','.join(map(str, p.depths)) or '-'} at tp={p.depth_point[0]} synthetic_accept={p.depth_point[1]} "
+                f"C={p.depth_point[2]} B={p.depth_point[3]}")
 
     def points(self) -> list[tuple[str, Callable[[], Row]]]:
-        return [(f"C={c} B={b}", lambda c=c, b=b: self.point(c, b))
-                for c in self.p.concurrency for b in self.p.budgets]
+        p, full = self.p, self.cfg.layers
+        pts = []
+        for tp in p.tps:
+            pts += [(f"tp={tp} level={lv} C={c} B={b}", lambda tp=tp, lv=lv, c=c, b=b: self.point(tp, full, lv, c, b))
+                    for lv in p.levels for c in p.concurrency for b in p.budgets]
+            if tp == p.depth_point[0]:
+                _, lv, c, b = p.depth_point
+                pts += [(f"tp={tp} layers={n} level={lv} C={c} B={b}",
+                         lambda tp=tp, n=n, lv=lv, c=c, b=b: self.point(tp, n, lv, c, b))
+                        for n in p.depths if n < full]
+        return pts
 
-    def point(self, conc: int, budget: int) -> Row:
-        prompts = self.prompts[:conc]
+    def _decoder(self, tp: int, layers: int) -> Decoder:
+        """A decoder over the model of this TP degree (built now if the last point had another)."""
+        if self._tp != tp:
+            self._model = self._drafter = None  # free one model before building the next
+            gc.collect()
+            if self.dev.type == "cuda":
+                torch.cuda.empty_cache()
+            self._model = TargetModel(self.cfg, self.dev, self.dtype, seed=0, tp=tp)
+            self._drafter = BlockDrafter(self._model, seed=1)
+            self._tp = tp
+        model = self._model if layers == self.cfg.layers else self._model.truncated(layers)
+        return Decoder(model, self._drafter)
+
+    def point(self, tp: int, layers: int, level: float, conc: int, budget: int) -> Row:
+        dec = self._decoder(tp, layers)
+        m, prompts = dec.model, self.prompts[:conc]
         if self.p.warmup_new:
-            self.decoder.speculative(prompts, self.p.warmup_new, budget, self.p.level)
-        res = self.decoder.speculative(prompts, self.p.max_new, budget, self.p.level)
-        return {"config": self.cfg.name, "layers": self.cfg.layers, "device": self.dev.type,
-                "concurrency": conc, "budget": budget, "synthetic_accept": self.p.level,
-                **summarise(res), **self.kernel_split(prompts, budget, res)}
+            dec.speculative(prompts, self.p.warmup_new, budget, level)
+        res = dec.speculative(prompts, self.p.max_new, budget, level)
+        on_chain = chain_share(m, res.tokens)
+        if on_chain < MIN_CHAIN_SHARE:
+            raise RuntimeError(f"the target's greedy tokens follow the planted successor at {on_chain:.0%} of places "
+                               f"(non-finite values or a lost margin): acceptance would not be the synthetic level")
+        comm_s = self.comm.forward_ms(conc * (budget + 1), m.cfg.hidden, layers, tp) / 1e3
+        return {"config": m.cfg.name, "layers": layers, "tp": tp,
+                "weight_sets": min(m.weight_sets, layers - min(m.cfg.dense_layers, layers)),
+                "vocab": m.cfg.vocab, "comm_source": "modelled" if tp > 1 else "none",
+                "device": self.dev.type, "concurrency": conc, "budget": budget, "synthetic_accept": level,
+                **summarise(res, comm_s), **self.kernel_split(dec, prompts, budget, level, res)}
 
-    def kernel_split(self, prompts: list[list[int]], budget: int, res: DecodeResult) -> Row:
+    def kernel_split(self, dec: Decoder, prompts: list[list[int]], budget: int, level: float,
+                     res: DecodeResult) -> Row:
         """GPU busy time per step, from a second decode of the same point under the kernel profiler
-        (the decode is deterministic: the same steps); outside = the measured step minus that. The
-        profiled run's own wall time is not used: tracing slows the host side."""
+        (the decode is reproducible: the same steps, checked); outside = the measured step minus
+        that. The profiled run's own wall time is not used: tracing slows the host side."""
         if self.dev.type != "cuda":
             return {}
         again, busy = gpu_busy.profiled(
-            lambda: self.decoder.speculative(prompts, self.p.max_new, budget, self.p.level, marks=True),
+            lambda: dec.speculative(prompts, self.p.max_new, budget, level, marks=True),
             lambda r: len(r.step_s))
-        if again.tokens != res.tokens:
+        if again.tokens != res.tokens or again.accept_len != res.accept_len:
             raise RuntimeError("gpu_busy: the profiled decode differs from the measured one")
         kernel = statistics.mean(busy) * 1e3
         return {"kernel_ms": kernel, "outside_ms": max(statistics.mean(res.step_s) * 1e3 - kernel, 0.0)}

@@ -120,7 +120,7 @@ class Decoder:
         t0 = clock.t
         logits, hidden = m.forward(tok.to(dev), pos, cache, causal, pick=lens - 1)
         cache.lens += lens
-        bonus, feat = logits[:, 0].argmax(-1), hidden[:, 0]
+        bonus, feat = m.pick(logits[:, 0]), hidden[:, 0]
         ttft.extend([clock.now() - t0] * bt)
         clock.lap()
         return cache, bonus, feat
@@ -130,24 +130,7 @@ class Decoder:
         one = torch.ones(tok.shape[0], 1, 1, dtype=torch.bool, device=self.device)
         logits, _ = self.model.forward(tok.unsqueeze(1), cache.lens.unsqueeze(1), cache, one)
         cache.lens += 1
-        return logits[:, -1].argmax(-1)
-
-    def _continuation(self, cache: LatentCache, bonus: Tensor, n: int) -> Tensor:
-        """The target's own greedy n tokens after each bonus [Bt] -> [Bt, n]: the steering hints.
-
-        Decoded from the live cache (the rows the verify accepted), so hints always describe the
-        state the next verify judges: where bf16 roundings of a one-token decode and a batched
-        verify disagree, that step accepts less, instead of every later hint of the sequence
-        following a trajectory it has left. The rows it writes past `lens` are scratch: every
-        forward writes the rows past `lens` it reads, so none of them is read stale.
-        """
-        lens = cache.lens.clone()
-        out, tok = [], bonus
-        for _ in range(n):
-            tok = self._decode_one(cache, tok)
-            out.append(tok)
-        cache.lens.copy_(lens)
-        return torch.stack(out, 1)
+        return self.model.pick(logits[:, -1])
 
     def greedy(self, prompts: list[list[int]], max_new: int) -> DecodeResult:
         """The target's own greedy decoding, one token per sequence per step."""
@@ -169,8 +152,10 @@ class Decoder:
                     level: float = 0.0, marks: bool = False, graphs: bool | None = None) -> DecodeResult:
         """DDTree: draft L positions, build a B-node tree, verify it in one forward, accept, compact.
 
-        level > 0 steers the drafter toward the target's continuation (synthetic acceptance,
-        see engine.drafter); computing those hints is harness work, left out of every timing.
+        level > 0 steers the drafter toward the target's greedy continuation (synthetic acceptance,
+        see engine.drafter; the continuation is the model's planted successor chain, see
+        engine.model); computing those hints is harness work, left out of every timing. The
+        steering draws restart with each call, so decoding a point twice repeats its steps.
         graphs (default: on CUDA): after one eager step, each stage is captured as a CUDA graph
         and replayed (engine.decode.StepGraphs); the stages are the same code either way.
         marks (CUDA): a marker kernel opens and closes each timed step (engine.gpu_busy).
@@ -180,6 +165,7 @@ class Decoder:
         m, dr, dev = self.model, self.drafter, self.device
         cfg = m.cfg
         graphs = dev.type == "cuda" if graphs is None else graphs
+        dr.reset()
         clock = Clock(dev)
         res = DecodeResult(tokens=[], ttft_s=[])
         capacity = max(map(len, prompts)) + max_new + budget + 2 * cfg.draft_len + 2
@@ -200,7 +186,7 @@ class Decoder:
         def verify() -> None:
             logits, st.hidden = m.forward(st.tree.tokens, cache.lens.unsqueeze(1) + st.tree.depths, cache,
                                           st.tree.mask)
-            st.target_argmax = logits.argmax(-1)
+            st.target_argmax = m.pick(logits)
 
         def accept() -> None:
             path, st.acc, bonus = ops.tree_accept(st.tree, st.target_argmax, impl=m.impl)
@@ -218,7 +204,7 @@ class Decoder:
         active_l = [1] * bt
         while min(map(len, out)) < max_new:
             if level > 0:
-                hints = self._continuation(cache, st.bonus, cfg.draft_len)
+                hints = m.continuation(st.bonus, cfg.draft_len)
                 u = dr.noise(hints)
                 if st.hints is None:
                     st.hints, st.u = hints, u

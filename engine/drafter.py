@@ -1,8 +1,8 @@
 """A DFlash-shaped block drafter: one forward emits distributions for L future positions.
 
 Input: the target's last hidden state (projected) added to the bonus token's embedding, followed
-by L mask slots; one bidirectional transformer layer; the target's own final norm + lm head over
-the L slots. Its cost is real (attention, MLP and a full-vocab head over L positions per sequence).
+by L mask slots; one bidirectional transformer layer; the target's own final norm + full-vocab lm
+head over the L slots (the drafter runs whole on every tensor-parallel rank). Its cost is real (attention, MLP and a full-vocab head over L positions per sequence).
 
 Random weights accept almost nothing, so the drafter can be *steered*: given the target's known
 greedy continuation (`hints`), each position places the true next token at rank R of its
@@ -37,8 +37,13 @@ class BlockDrafter:
         self.norm1, self.norm2 = ini.ones(h), ini.ones(h)
         self.qkv, self.o = ini.linear(3 * nd, h), ini.linear(h, nd)
         self.w13, self.w2 = ini.linear(2 * cfg.draft_inter, h), ini.linear(h, cfg.draft_inter)
+        self.seed = seed
         self.gen = torch.Generator(device=target.device)
-        self.gen.manual_seed(seed)
+        self.reset()
+
+    def reset(self) -> None:
+        """Restart the steering draws: every decode of a point steers alike (the same trees, steps)."""
+        self.gen.manual_seed(self.seed)
 
     def logits(self, feat: Tensor, bonus: Tensor) -> Tensor:
         """[Bt, H] target feature + [Bt] bonus tokens -> [Bt, L, V] float32 logits."""
@@ -52,7 +57,7 @@ class BlockDrafter:
                                            scale=1.0 / math.sqrt(cfg.draft_head_dim))
         x = x + F.linear(a.transpose(1, 2).reshape(bt, -1, cfg.draft_heads * cfg.draft_head_dim), self.o)
         x = x + swiglu(rms_norm(x, self.norm2, cfg.norm_eps), self.w13, self.w2)
-        return F.linear(rms_norm(x[:, 1:], tg.final_norm, cfg.norm_eps), tg.lm_head).float()
+        return F.linear(rms_norm(x[:, 1:], tg.final_norm, cfg.norm_eps), tg.draft_head).float()
 
     def noise(self, hints: Tensor) -> Tensor:
         """Uniform draws for steer's ranks, one per hint (drawn outside any captured graph)."""

@@ -6,24 +6,39 @@ output taken back through W_UV), so the cache holds only the latent `ckv` and th
 attention through `kernels.ops.mla_tree_attention`. One forward serves prefill (causal mask),
 plain decode (T = 1) and tree verify (ancestor mask, positions = start + depth).
 
+Tensor parallel: with tp N the model is rank `rank` of an N-way deployment, its weights the slices
+engine.tp takes of the full layers it builds; its forward all-reduces after attention and after the
+FFN and picks the global argmax over the vocab shards (engine.tp.Comm / DistComm).
+
+Depth on one GPU: the MoE layers may take their weights in rotation from `weight_sets` distinct
+sets (each far larger than L2, so every layer still streams its bytes from HBM); every layer keeps
+its own KV cache.
+
 Planted successor: random weights alone give near-flat logits over a large vocab, whose argmax
 flips with bf16 rounding (a batched verify and a one-token decode round differently), so the
-target's greedy continuation would depend on batch shape. Each lm-head row succ[t] (succ a seeded
-permutation) therefore gets PLANT_GAIN * embed[t] / |embed[t]| / sqrt(hidden): the last token's
-embedding, still present in the residual stream, lifts its successor by ~PLANT_GAIN * cos(x, embed)
-(several logits at K2 dims) above the random rest. The greedy choice is then stable across batch
-shapes and dtypes while attention and the experts still compute every logit.
+target's greedy continuation would depend on batch shape. Each token t of the hot vocab (the first
+vocab / MAX_TP ids: the lm-head shard rank 0 holds at any TP, so a rank alone still follows the
+chain) has a successor succ[t] (a seeded permutation of the hot vocab); lm-head row succ[t] gets
+PLANT_GAIN * embed[t] / |embed[t]| / sqrt(hidden): the last token's embedding, still present in the
+residual stream, lifts its successor by ~PLANT_GAIN * cos(x, embed) above the random rest. The
+residual branches' output weights are scaled by 1 / (2 * layers) (`residual_gain`), so all
+branches together carry at most about as much as the embedding at any depth and the margin
+(>= ~PLANT_GAIN * 0.7 logits) holds at 61 layers. The greedy choice is then stable across batch shapes, dtypes,
+reduction orders and TP splits while attention and the experts still compute every logit, and the
+target's greedy continuation is the successor chain (`continuation`).
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine import tp as tpar
 from engine.config import ModelConfig
 from kernels import ops
 from kernels.int4 import GROUP, PACK
@@ -32,6 +47,20 @@ from kernels.int4 import GROUP, PACK
 _INT4_MS = sum(q * q for q in range(-8, 8)) / 16
 # Logit lift of the planted successor per unit cosine between the final hidden and the token's embedding.
 PLANT_GAIN = 20.0
+# CUDA memory left free after the weights (KV caches, activations, graph pools, the drafter).
+RESERVE_BYTES = 24 << 30
+
+
+def hot_vocab(cfg: ModelConfig) -> int:
+    """Token ids below this carry a planted successor (prompts are drawn from them)."""
+    return max(cfg.vocab // tpar.MAX_TP, 1)
+
+
+def residual_gain(cfg: ModelConfig) -> float:
+    """Scale of every residual branch's output weights: the 2 x layers branches together stay within
+    about the embedding's size even where they add up coherently (layers sharing a weight set see
+    nearly the same input, so their outputs align)."""
+    return 1.0 / (2 * cfg.layers)
 
 
 class Init:
@@ -45,34 +74,38 @@ class Init:
     def normal(self, *shape: int, std: float) -> Tensor:
         return torch.randn(*shape, generator=self.gen, device=self.device, dtype=self.dtype).mul_(std)
 
-    def linear(self, out_f: int, in_f: int) -> Tensor:
-        return self.normal(out_f, in_f, std=1.0 / math.sqrt(in_f))
+    def linear(self, out_f: int, in_f: int, gain: float = 1.0) -> Tensor:
+        return self.normal(out_f, in_f, std=gain / math.sqrt(in_f))
 
     def ones(self, n: int) -> Tensor:
         return torch.ones(n, device=self.device, dtype=self.dtype)
 
-    def int4(self, e: int, n: int, k: int) -> tuple[Tensor, Tensor]:
-        """Random K2-format experts [E, N, K]: uniform nibbles, per-group bf16 scales near unit gain."""
+    def int4(self, e: int, n: int, k: int, gain: float = 1.0) -> tuple[Tensor, Tensor]:
+        """Random K2-format experts [E, N, K]: uniform nibbles, per-group bf16 scales near `gain`."""
         q = torch.randint(-2**31, 2**31, (e, n, k // PACK), generator=self.gen, device=self.device,
                           dtype=torch.int32)
-        base = 1.0 / math.sqrt(_INT4_MS * k)
+        base = gain / math.sqrt(_INT4_MS * k)
         s = torch.rand(e, n, k // GROUP, generator=self.gen, device=self.device, dtype=torch.float32)
         return q, s.mul_(0.5).add_(0.75).mul_(base).to(torch.bfloat16)
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
-def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Rotate-half RoPE; x [Bt, T, ..., D], positions [Bt, T] (start + depth in a tree)."""
+def rope_angles(positions: Tensor, d: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin [Bt, T, D/2] of rotate-half RoPE at positions [Bt, T] (start + depth in a tree):
+    made once per forward, shared by every layer's queries and keys."""
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d))
+    ang = positions.to(torch.float32).unsqueeze(-1) * inv
+    return ang.cos(), ang.sin()
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE of x [Bt, T, ..., D] by rope_angles' tables."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = positions.to(torch.float32).unsqueeze(-1) * inv  # [Bt, T, D/2]
-    while ang.dim() < x.dim():
-        ang = ang.unsqueeze(-2)
-    cos, sin = ang.cos(), ang.sin()
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     xf = x.float()
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
@@ -120,59 +153,114 @@ class LatentCache:
 
 
 class TargetModel:
-    """Kimi-K2-style decoder; layers < dense_layers use a dense FFN, the rest MoE."""
+    """Kimi-K2-style decoder (rank `rank` of tp); layers < dense_layers use a dense FFN, the rest MoE.
+
+    weight_sets: distinct MoE weight sets the MoE layers take in rotation (None: one per layer,
+    fewer on CUDA where memory runs out, keeping RESERVE_BYTES free); `weight_sets` after init is
+    the number built. Every tp and rank draws the same full tensors in the same order and slices them.
+    """
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                 impl: ops.Impl = "auto"):
+                 impl: ops.Impl = "auto", tp: int = 1, rank: int = 0, weight_sets: int | None = None,
+                 comm: tpar.Comm | None = None):
+        tpar.check(cfg, tp)
         self.cfg, self.device, self.dtype, self.impl = cfg, device, dtype, impl
+        self.tp, self.rank, self.comm = tp, rank, comm or tpar.Comm()
+        self.heads = cfg.heads // tp
         ini = Init(seed, device, dtype)
-        h, nh = cfg.hidden, cfg.heads
+        h = cfg.hidden
         self.embed = ini.normal(cfg.vocab, h, std=1.0)
-        self.layers: list[dict[str, Tensor]] = []
-        for i in range(cfg.layers):
-            w_kvb = ini.linear(nh * (cfg.nope_dim + cfg.v_dim), cfg.kv_lora).view(nh, cfg.nope_dim + cfg.v_dim, cfg.kv_lora)
-            lw = {
-                "attn_norm": ini.ones(h), "ffn_norm": ini.ones(h),
-                "q_a": ini.linear(cfg.q_lora, h), "q_norm": ini.ones(cfg.q_lora),
-                "q_b": ini.linear(nh * cfg.qk_dim, cfg.q_lora),
-                "kv_a": ini.linear(cfg.kv_lora + cfg.rope_dim, h), "kv_norm": ini.ones(cfg.kv_lora),
-                "w_uk": w_kvb[:, : cfg.nope_dim].contiguous(),  # [nh, nope, kv_lora]
-                "w_uv": w_kvb[:, cfg.nope_dim:].contiguous(),  # [nh, v, kv_lora]
-                "o": ini.linear(h, nh * cfg.v_dim),
-            }
-            if i < cfg.dense_layers:
-                lw["w13"], lw["w2"] = ini.linear(2 * cfg.dense_inter, h), ini.linear(h, cfg.dense_inter)
-            else:
-                lw["gate"] = ini.linear(cfg.experts, h)
-                lw["w13_q"], lw["w13_s"] = ini.int4(cfg.experts, 2 * cfg.moe_inter, h)
-                lw["w2_q"], lw["w2_s"] = ini.int4(cfg.experts, h, cfg.moe_inter)
-                si = cfg.moe_inter * cfg.shared_experts
-                lw["sh_w13"], lw["sh_w2"] = ini.linear(2 * si, h), ini.linear(h, si)
-            self.layers.append(lw)
-        self.final_norm = ini.ones(h)
-        self.lm_head = ini.linear(cfg.vocab, h)
-        self.successor = torch.randperm(cfg.vocab, generator=ini.gen, device=device)
-        plant = F.normalize(self.embed.float(), dim=-1).mul_(PLANT_GAIN / math.sqrt(h))
-        self.lm_head.index_add_(0, self.successor, plant.to(dtype))
+        head = ini.linear(cfg.vocab, h)
+        hot = hot_vocab(cfg)
+        self.successor = torch.randperm(hot, generator=ini.gen, device=device)
+        plant = F.normalize(self.embed[:hot].float(), dim=-1).mul_(PLANT_GAIN / math.sqrt(h))
+        head.index_add_(0, self.successor, plant.to(dtype))
         del plant
+        self.draft_head = head  # the drafter runs whole on every rank, over the full vocab
+        self.lm_head, self.vocab_offset = tpar.shard_vocab(head, tp, rank)
+        self.final_norm = ini.ones(h)
+        gain = residual_gain(cfg)
+        dense = [tpar.shard_layer(self._layer(ini, True, gain), tp, rank) for _ in range(min(cfg.dense_layers, cfg.layers))]
+        n_moe = cfg.layers - len(dense)
+        want = n_moe if weight_sets is None else min(weight_sets, n_moe)
+        sets: list[dict[str, Tensor]] = []
+        while len(sets) < want and (weight_sets is not None or not sets or self._room(sets[0], tp)):
+            sets.append(tpar.shard_layer(self._layer(ini, False, gain), tp, rank))
+        self.weight_sets = len(sets)
+        self.layers = dense + [sets[i % len(sets)] for i in range(n_moe)]
         self.sm_scale = 1.0 / math.sqrt(cfg.qk_dim)
+
+    def _layer(self, ini: Init, dense: bool, gain: float) -> dict[str, Tensor]:
+        """One full (unsharded) layer's weights, branch outputs scaled by `gain`."""
+        cfg, h, nh = self.cfg, self.cfg.hidden, self.cfg.heads
+        w_kvb = ini.linear(nh * (cfg.nope_dim + cfg.v_dim), cfg.kv_lora).view(nh, cfg.nope_dim + cfg.v_dim, cfg.kv_lora)
+        lw = {
+            "attn_norm": ini.ones(h), "ffn_norm": ini.ones(h),
+            "q_a": ini.linear(cfg.q_lora, h), "q_norm": ini.ones(cfg.q_lora),
+            "q_b": ini.linear(nh * cfg.qk_dim, cfg.q_lora),
+            "kv_a": ini.linear(cfg.kv_lora + cfg.rope_dim, h), "kv_norm": ini.ones(cfg.kv_lora),
+            "w_uk": w_kvb[:, : cfg.nope_dim].contiguous(),  # [nh, nope, kv_lora]
+            "w_uv": w_kvb[:, cfg.nope_dim:].contiguous(),  # [nh, v, kv_lora]
+            "o": ini.linear(h, nh * cfg.v_dim, gain),
+        }
+        if dense:
+            lw["w13"], lw["w2"] = ini.linear(2 * cfg.dense_inter, h), ini.linear(h, cfg.dense_inter, gain)
+        else:
+            lw["gate"] = ini.linear(cfg.experts, h).float()  # routing runs in float32
+            lw["w13_q"], lw["w13_s"] = ini.int4(cfg.experts, 2 * cfg.moe_inter, h)
+            lw["w2_q"], lw["w2_s"] = ini.int4(cfg.experts, h, cfg.moe_inter, gain)
+            si = cfg.moe_inter * cfg.shared_experts
+            lw["sh_w13"], lw["sh_w2"] = ini.linear(2 * si, h), ini.linear(h, si, gain)
+        return lw
+
+    def _room(self, shard: dict[str, Tensor], tp: int) -> bool:
+        """Whether CUDA memory holds one more set (at tp > 1 its full build and its shard) and the reserve."""
+        if self.device.type != "cuda":
+            return True
+        nbytes = sum(t.numel() * t.element_size() for t in shard.values())
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free > RESERVE_BYTES + nbytes * (tp + 1 if tp > 1 else 1)
+
+    def truncated(self, layers: int) -> "TargetModel":
+        """The same model cut to its first `layers` layers (shared weights; a depth series)."""
+        if not 1 <= layers <= self.cfg.layers:
+            raise ValueError(f"layers must be within 1..{self.cfg.layers}, got {layers}")
+        view = copy.copy(self)
+        view.cfg = replace(self.cfg, layers=layers)
+        view.layers = self.layers[:layers]
+        return view
+
+    def continuation(self, tok: Tensor, n: int) -> Tensor:
+        """The target's greedy n tokens after each token of tok [Bt] -> [Bt, n]: the successor chain
+        (see module doc). A token outside the hot vocab, which only a lost margin gives, gets a
+        wrong chain: it shows as lower acceptance, never as wrong output."""
+        hot = self.successor.numel()
+        out = []
+        for _ in range(n):
+            tok = self.successor[tok % hot]
+            out.append(tok)
+        return torch.stack(out, 1)
+
+    def pick(self, logits: Tensor) -> Tensor:
+        """Greedy tokens (global ids) from this rank's logits [..., V / tp]."""
+        return self.comm.argmax(logits, self.vocab_offset)
 
     def route(self, x: Tensor, lw: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """K2-style sigmoid routing: top-k experts, weights renormalised and scaled."""
-        scores = torch.sigmoid(F.linear(x.float(), lw["gate"].float()))
+        scores = torch.sigmoid(F.linear(x.float(), lw["gate"]))
         w, ids = scores.topk(self.cfg.top_k, dim=-1)
         return ids, (w / w.sum(-1, keepdim=True) * self.cfg.routed_scale).float()
 
-    def _attention(self, x: Tensor, lw: dict[str, Tensor], li: int, positions: Tensor,
+    def _attention(self, x: Tensor, lw: dict[str, Tensor], li: int, angles: tuple[Tensor, Tensor],
                    cache: LatentCache, rows: Tensor, tree_mask: Tensor) -> Tensor:
         cfg = self.cfg
         bt, t, _ = x.shape
         q = F.linear(rms_norm(F.linear(x, lw["q_a"]), lw["q_norm"], cfg.norm_eps), lw["q_b"])
-        q = q.view(bt, t, cfg.heads, cfg.qk_dim)
-        q_nope, q_pe = q[..., : cfg.nope_dim], rope(q[..., cfg.nope_dim:], positions, cfg.rope_theta)
+        q = q.view(bt, t, self.heads, cfg.qk_dim)
+        q_nope, q_pe = q[..., : cfg.nope_dim], rope(q[..., cfg.nope_dim:], *angles)
         kv = F.linear(x, lw["kv_a"])
         ckv = rms_norm(kv[..., : cfg.kv_lora], lw["kv_norm"], cfg.norm_eps)
-        kpe = rope(kv[..., cfg.kv_lora:], positions, cfg.rope_theta)
+        kpe = rope(kv[..., cfg.kv_lora:], *angles)
         # write the new rows at lens .. lens+T-1 of this layer's cache
         cache.ckv[li].scatter_(1, rows.unsqueeze(-1).expand(bt, t, cfg.kv_lora), ckv)
         cache.kpe[li].scatter_(1, rows.unsqueeze(-1).expand(bt, t, cfg.rope_dim), kpe)
@@ -180,7 +268,7 @@ class TargetModel:
         o_lat = ops.mla_tree_attention(q_lat, q_pe, cache.ckv[li], cache.kpe[li], cache.lens, tree_mask,
                                        self.sm_scale, impl=self.impl)
         o = torch.einsum("bthc,hvc->bthv", o_lat, lw["w_uv"])
-        return F.linear(o.reshape(bt, t, cfg.heads * cfg.v_dim), lw["o"])
+        return F.linear(o.reshape(bt, t, self.heads * cfg.v_dim), lw["o"])
 
     def _ffn(self, x: Tensor, lw: dict[str, Tensor]) -> Tensor:
         if "w13" in lw:
@@ -195,16 +283,17 @@ class TargetModel:
                 pick: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """tokens/positions [Bt, T] sit at cache rows lens .. lens+T-1 (the cache's lens is not moved).
 
-        Returns (logits [Bt, T, V], hidden [Bt, T, H]) with hidden the last layer's output before
+        Returns (logits [Bt, T, V / tp]: this rank's vocab shard, hidden [Bt, T, H]) with hidden the last layer's output before
         the final norm, which the drafter conditions on; with `pick` ([Bt] row per sequence, e.g.
         each prompt's last token in a padded prefill) only that row: [Bt, 1, V] and [Bt, 1, H].
         """
         x = self.embed[tokens]
         rows = cache.lens.unsqueeze(1) + torch.arange(tokens.shape[1], device=tokens.device)
+        angles = rope_angles(positions, self.cfg.rope_dim, self.cfg.rope_theta)
         for li, lw in enumerate(self.layers):
-            x = x + self._attention(rms_norm(x, lw["attn_norm"], self.cfg.norm_eps), lw, li, positions,
-                                    cache, rows, tree_mask)
-            x = x + self._ffn(rms_norm(x, lw["ffn_norm"], self.cfg.norm_eps), lw)
+            x = x + self.comm.all_reduce(self._attention(rms_norm(x, lw["attn_norm"], self.cfg.norm_eps), lw, li,
+                                                         angles, cache, rows, tree_mask))
+            x = x + self.comm.all_reduce(self._ffn(rms_norm(x, lw["ffn_norm"], self.cfg.norm_eps), lw))
         if pick is not None:
             x = x.gather(1, pick.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
         return F.linear(rms_norm(x, self.final_norm, self.cfg.norm_eps), self.lm_head), x

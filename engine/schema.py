@@ -72,7 +72,8 @@ SCHEMAS: dict[str, pa.Schema] = {
         _f("accept_len_mean", _d), _f("tokens_per_s", _d), _f("steps", _i),
         _f("step_ms_p50", _d), _f("step_ms_p99", _d), _f("ttft_ms", _d),
         _f("itl_ms_p50", _d), _f("itl_ms_p99", _d),
-        # the step split; comm_ms is zero on one GPU and filled by the projection for n GPUs
+        # the measured step split, and comm_ms: the step's collectives (see comm_source; 0 at tp 1);
+        # tokens_per_s and itl include comm_ms, step_ms_* and the stages do not
         _f("draft_ms", _d), _f("tree_build_ms", _d), _f("verify_ms", _d),
         _f("accept_ms", _d), _f("other_ms", _d), _f("comm_ms", _d),
         # per step, from a profiled decode of the same point (CUDA only): GPU busy, and the rest

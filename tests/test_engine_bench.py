@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import schema
+from engine import comm_model, schema
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,12 +82,21 @@ def test_kernel_points_cover_every_op_with_costs(smoke_dir):
 def test_e2e_rows_split_each_step(smoke_dir):
     out, _ = smoke_dir
     rows = schema.read_table(out / "e2e.arrow").to_pylist()
-    assert len({(r["concurrency"], r["budget"]) for r in rows}) == len(rows) >= 2
+    key = ("tp", "layers", "synthetic_accept", "concurrency", "budget")
+    assert len({tuple(r[k] for k in key) for r in rows}) == len(rows) >= 2
+    assert {r["tp"] for r in rows} == {1, 2}
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["steps"] > 0 and 0 <= r["accept_len_mean"]
         assert 0 < r["synthetic_accept"] <= 1
+        assert r["vocab"] == 512 and r["layers"] == 3 and r["weight_sets"] == 2
         assert min(r[k] for k in ("draft_ms", "tree_build_ms", "verify_ms", "accept_ms")) > 0
-        assert r["other_ms"] >= 0 and r["comm_ms"] == 0
+        assert r["other_ms"] >= 0
+        if r["tp"] == 1:
+            assert r["comm_ms"] == 0 and r["comm_source"] == "none"
+        else:  # rank 0 alone: two all-reduces a layer of C x (B + 1) tokens, modelled
+            assert r["comm_source"] == "modelled"
+            want = comm_model.DEFAULT.forward_ms(r["concurrency"] * (r["budget"] + 1), 128, 3, r["tp"])
+            assert r["comm_ms"] == pytest.approx(want) and want > 0
         assert r["step_ms_p50"] <= r["step_ms_p99"] and r["itl_ms_p50"] <= r["itl_ms_p99"]
         assert r["ttft_ms"] > 0
 
@@ -155,6 +164,12 @@ def test_build_cpu_checks_references(tmp_path):
     (["-m", "engine.bench", "--suite", "kernels", "--profile", "smoke", "--host", "h", "--device", "cuda"], "no CUDA GPU"),
     (["-m", "engine.bench", "--suite", "kernels", "--profile", "smoke", "--host", "../etc"], "--host"),
     (["-m", "engine.bench", "--suite", "nope", "--profile", "smoke", "--host", "h"], "--suite"),
+    (["-m", "engine.bench", "--suite", "e2e", "--profile", "smoke", "--host", "h", "--tp", "3"], "--tp: tp 3 does not divide heads"),
+    (["-m", "engine.bench", "--suite", "e2e", "--profile", "smoke", "--host", "h", "--tp", "4"], "--tp: tp 4 does not divide moe_inter"),
+    (["-m", "engine.bench", "--suite", "e2e", "--profile", "smoke", "--host", "h", "--tp", "16"], "--tp: tp must be within 1..8"),
+    (["-m", "engine.bench", "--suite", "e2e", "--profile", "smoke", "--host", "h", "--layers", "99"], "--layers 99: k2-mini has 3"),
+    (["-m", "engine.bench", "--suite", "e2e", "--profile", "smoke", "--host", "h", "--vocab", "1001"], "--vocab: tp 2 does not divide vocab 1001"),
+    (["-m", "engine.bench", "--suite", "e2e", "--profile", "smoke", "--host", "h", "--comm-model", "{"], "--comm-model: not JSON"),
 ])
 def test_bad_arch_device_or_usage_exit_2(tmp_path, argv, needle):
     r = subprocess.run([sys.executable, *argv, "--out", str(tmp_path / "o")], cwd=ROOT,

@@ -12,7 +12,7 @@ from engine.bench_e2e import prompts_for
 from engine.config import make_config
 from engine.decode import Decoder
 from engine.drafter import BlockDrafter
-from engine.model import LatentCache, TargetModel
+from engine.model import LatentCache, TargetModel, hot_vocab
 from kernels import ops, reference
 
 MAX_NEW = 24
@@ -24,7 +24,7 @@ def setup():
     model = TargetModel(cfg, torch.device("cpu"), torch.float32, seed=3)
     dec = Decoder(model, BlockDrafter(model, seed=4))
     g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(0, cfg.vocab, (n,), generator=g).tolist() for n in (3, 17, 9, 30)]
+    prompts = [torch.randint(0, hot_vocab(cfg), (n,), generator=g).tolist() for n in (3, 17, 9, 30)]
     ref = dec.greedy(prompts, MAX_NEW)
     return dec, prompts, ref
 
