@@ -43,8 +43,9 @@ from engine.config import ModelConfig
 from kernels import ops
 from kernels.int4 import GROUP, PACK
 
-# Mean square of a uniform INT4 code in [-8, 7]: scales chosen so a routed expert keeps unit gain.
-_INT4_MS = sum(q * q for q in range(-8, 8)) / 16
+# Mean square of the synthetic INT4 codes (uniform nibbles, -8 read as 0, see `zero_mean_codes`):
+# scales chosen so a routed expert keeps unit gain.
+_INT4_MS = sum(q * q for q in range(-7, 8)) / 16
 # Logit lift of the planted successor per unit cosine between the final hidden and the token's embedding.
 PLANT_GAIN = 20.0
 # CUDA memory left free after the weights (KV caches, activations, graph pools, the drafter).
@@ -82,11 +83,27 @@ class Init:
 
     def int4(self, e: int, n: int, k: int, gain: float = 1.0) -> tuple[Tensor, Tensor]:
         """Random K2-format experts [E, N, K]: uniform nibbles, per-group bf16 scales near `gain`."""
-        q = torch.randint(-2**31, 2**31, (e, n, k // PACK), generator=self.gen, device=self.device,
-                          dtype=torch.int32)
+        q = zero_mean_codes(torch.randint(-2**31, 2**31, (e, n, k // PACK), generator=self.gen,
+                                          device=self.device, dtype=torch.int32))
         base = gain / math.sqrt(_INT4_MS * k)
         s = torch.rand(e, n, k // GROUP, generator=self.gen, device=self.device, dtype=torch.float32)
         return q, s.mul_(0.5).add_(0.75).mul_(base).to(torch.bfloat16)
+
+
+def zero_mean_codes(q: Tensor, chunk: int = 32) -> Tensor:
+    """Packed INT4 words [E, N, K/8] with every code -8 (nibble 0b1000) set to 0, in place.
+
+    Uniform nibbles average -0.5, so every random expert carries a common-mode term that its two
+    matmuls and SwiGLU amplify; through the residual stream it feeds back layer after layer, and at
+    K2's depth it swamps the stream (seen on the H200 at 61 layers: the FFN output grew from 0.7 to
+    800 within ten layers of one decode step). Codes -7..7 plus a doubled 0 average zero. Experts
+    are done `chunk` at a time to bound the temporaries.
+    """
+    for qe in q.split(chunk):
+        for shift in range(0, 4 * PACK, 4):
+            hit = ((qe >> shift) & 0xF) == 8
+            qe ^= (hit.to(torch.int32) * 8) << shift
+    return q
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:

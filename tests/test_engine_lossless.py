@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.bench_e2e import prompts_for
-from engine.config import make_config
+from engine.bench_e2e import chain_share, prompts_for
+from engine.config import K2, make_config
 from engine.decode import Decoder
 from engine.drafter import BlockDrafter
 from engine.model import LatentCache, TargetModel, hot_vocab
@@ -128,3 +128,14 @@ def test_bf16_acceptance_follows_level_when_verify_rounds_differently(monkeypatc
         res = dec.speculative(prompts, 40, budget, 0.8)
         assert res.tokens == ref.tokens  # one greedy answer whichever path rounds it
         assert statistics.mean(a for s in res.accept_len for a in s) > 2.0, budget
+
+
+def test_greedy_follows_the_chain_at_k2_depth_with_wide_layers() -> None:
+    """61 layers at hidden 2048 (MoE weight sets in rotation): the random experts' common mode must not
+    build up through the residual stream and swamp the planted successor (as it did with uniform
+    INT4 nibbles: the greedy tokens fell into a two-token cycle after three steps)."""
+    cfg = replace(K2, name="k2-wide", hidden=2048, heads=8, q_lora=512, kv_lora=256, experts=16, top_k=8,
+                  moe_inter=256, dense_inter=1024, vocab=8192)
+    m = TargetModel(cfg, torch.device("cpu"), torch.float32, seed=0, weight_sets=4)
+    g = Decoder(m).greedy(prompts_for(cfg, 2, (32, 48)), 8)
+    assert chain_share(m, g.tokens) == 1.0

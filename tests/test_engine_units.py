@@ -76,3 +76,12 @@ def test_busy_windows_union_kernels_between_marks():
     ]
     got = busy_per_window(reversed(acts))  # input order does not matter
     assert got == pytest.approx([0.004, 0.001])
+
+
+def test_synthetic_int4_codes_average_zero() -> None:
+    """Uniform nibbles average -0.5: a common mode that grows through the residual stream at depth."""
+    from engine.model import Init
+    from kernels.int4 import unpack_w4
+    q, _ = Init(0, torch.device("cpu"), torch.float32).int4(40, 64, 256)
+    codes = unpack_w4(q).float()
+    assert codes.min() >= -7 and abs(codes.mean()) < 0.02
