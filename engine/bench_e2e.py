@@ -10,7 +10,8 @@ engine.decode.StageTimer); `other` is the step's wall time minus the stages.
 On CUDA the stages run as CUDA graphs after the first step (engine.decode.StepGraphs), and each
 point is decoded once more under the kernel profiler: `kernel_ms` is the GPU's busy time per step,
 `outside_ms` the rest of the measured step (Python, launches, gaps between kernels, the step's one
-sync). That second decode must repeat the first exactly (the same tokens and accept lengths).
+sync). Every per-step and throughput figure is steady state: the eager first step, run while the
+graphs are made, is left out (see `summarise`). That second decode must repeat the first exactly (the same tokens and accept lengths).
 
 Tensor parallel (tp > 1): the process is rank 0 of a tp-way deployment (engine.tp) at exactly one
 GPU's shapes; its all-reduces are not run (one process), so `comm_ms` carries them per step from the
@@ -77,26 +78,34 @@ def prompts_for(cfg: ModelConfig, n: int, lengths: tuple[int, int], seed: int = 
     return [torch.randint(0, hot_vocab(cfg), (k,), generator=g).tolist() for k in lens]
 
 
-def summarise(res: DecodeResult, comm_s: float = 0.0) -> Row:
-    """Throughput, latency percentiles and the stage split of one measured decode.
+def eager_steps(res: DecodeResult) -> int:
+    """How many leading steps the steady-state figures leave out: the eager ones, when later steps exist."""
+    return res.eager_steps if len(res.step_s) > res.eager_steps else 0
 
-    tokens/s: tokens after each sequence's first, over the step loop's wall time plus comm_s per
-    step (all sequences). TTFT: mean over sequences of the time to their first token (one batched
-    prefill gives every sequence its first token at once). ITL: a step's time plus comm_s divided
-    by the tokens it gave a sequence, over all steps and sequences. Stage columns are per-step means
-    of the measured step; other = mean step - the named stages.
+
+def summarise(res: DecodeResult, comm_s: float = 0.0) -> Row:
+    """Throughput, latency percentiles and the stage split of one measured decode, in steady state.
+
+    Steady state: the decode's first `res.eager_steps` steps (run eagerly while the step's CUDA
+    graphs are made, which a server does once) are left out of every per-step and throughput
+    figure, when later steps exist. tokens/s: the tokens those steps gave (all sequences) over their
+    wall time plus comm_s per step. TTFT: mean over sequences of the time to their first token (one
+    batched prefill gives every sequence its first token at once). ITL: a step's time plus comm_s
+    divided by the tokens it gave a sequence. Stage columns are per-step means of the measured step;
+    other = mean step - the named stages.
     """
-    steps = len(res.step_s)
-    new = sum(len(t) - 1 for t in res.tokens)  # tokens after the first (which prefill produced)
-    itl = [(res.step_s[i] + comm_s) / e for i, em in enumerate(res.emitted) for e in em]
-    stage = {s: statistics.mean(res.stage_s[s]) * 1e3 for s in STAGES}
-    step_ms = statistics.mean(res.step_s) * 1e3
-    acc = [a for per in res.accept_len for a in per]
-    wall = res.decode_s + steps * comm_s
+    k = eager_steps(res)
+    step_s, emitted = res.step_s[k:], res.emitted[k:]
+    new = sum(len(t) - 1 for t in res.tokens) - sum(map(sum, res.emitted[:k]))
+    itl = [(step_s[i] + comm_s) / e for i, em in enumerate(emitted) for e in em]
+    stage = {s: statistics.mean(res.stage_s[s][k:]) * 1e3 for s in STAGES}
+    step_ms = statistics.mean(step_s) * 1e3
+    acc = [a for per in res.accept_len[k:] for a in per]
+    wall = sum(step_s) + len(step_s) * comm_s
     return {
-        "steps": steps, "tokens_per_s": new / wall if wall else None,
+        "steps": len(step_s), "tokens_per_s": new / wall if wall else None,
         "accept_len_mean": statistics.mean(acc),
-        "step_ms_p50": percentile(res.step_s, 50) * 1e3, "step_ms_p99": percentile(res.step_s, 99) * 1e3,
+        "step_ms_p50": percentile(step_s, 50) * 1e3, "step_ms_p99": percentile(step_s, 99) * 1e3,
         "ttft_ms": statistics.mean(res.ttft_s) * 1e3,
         "itl_ms_p50": percentile(itl, 50) * 1e3, "itl_ms_p99": percentile(itl, 99) * 1e3,
         "draft_ms": stage["draft"], "tree_build_ms": stage["tree_build"], "verify_ms": stage["verify"],
@@ -200,5 +209,6 @@ class E2EBench:
             lambda r: len(r.step_s))
         if again.tokens != res.tokens or again.accept_len != res.accept_len:
             raise RuntimeError("gpu_busy: the profiled decode differs from the measured one")
-        kernel = statistics.mean(busy) * 1e3
-        return {"kernel_ms": kernel, "outside_ms": max(statistics.mean(res.step_s) * 1e3 - kernel, 0.0)}
+        k = eager_steps(res)
+        kernel = statistics.mean(busy[k:]) * 1e3
+        return {"kernel_ms": kernel, "outside_ms": max(statistics.mean(res.step_s[k:]) * 1e3 - kernel, 0.0)}

@@ -192,3 +192,15 @@ def test_moe_shard_rows_carry_tp_and_the_shard_bytes():
     assert shard["bytes"] < full["bytes"]
     assert PROFILES[("cuda", "full")].moe_tp_m == PROFILES[("cuda", "full")].moe_m  # M = 1..1024 at tp 8
     assert schema.SCHEMAS["kernels"].field("tp").nullable
+
+
+def test_e2e_figures_leave_out_the_eager_step() -> None:
+    """The step run eagerly while the CUDA graphs are made is paid once by a server, not every step."""
+    from engine.bench_e2e import summarise
+    from engine.decode import STAGES, DecodeResult
+    res = DecodeResult(tokens=[[0] * 16], ttft_s=[0.5], decode_s=1.2, step_s=[1.0, 0.1, 0.1],
+                       stage_s={s: [0.2, 0.02, 0.02] for s in STAGES}, accept_len=[[4], [4], [4]],
+                       emitted=[[5], [5], [5]], eager_steps=1)
+    row = summarise(res)
+    assert row["steps"] == 2 and row["step_ms_p50"] == pytest.approx(100.0)
+    assert row["tokens_per_s"] == pytest.approx(10 / 0.2) and row["draft_ms"] == pytest.approx(20.0)
