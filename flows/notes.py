@@ -46,6 +46,7 @@ from flows.store import Store, StoreError, check_name
 NOISE = 0.05            # smallest change flagged as a regression, on top of the measured p10-p90 spread
 PLATEAU = 0.9           # plateau M: first M reaching this fraction of the best MoE bandwidth
 SUITES = ("kernels", "e2e", "comm")
+SHARD_TP = 8            # the shard an 8-GPU box runs: its MoE table is expected beside the full shapes
 HASH_CHARS = 12         # of a payload hash in the run history
 GIT_ENV = {"GIT_AUTHOR_NAME": "kdbench", "GIT_AUTHOR_EMAIL": "kdbench@localhost",
            "GIT_COMMITTER_NAME": "kdbench", "GIT_COMMITTER_EMAIL": "kdbench@localhost"}
@@ -462,6 +463,7 @@ class MoeView:
     source: SourceLine | None
     tables: tuple[MoeTable, ...]
     plots: tuple[tuple[str, str], ...]            # (alt text, relative path)
+    missing_shard: int | None = None              # the shard degree an 8-GPU box runs, when not measured
 
 
 @dataclass(frozen=True)
@@ -670,7 +672,8 @@ def moe_view(view: HostView, out_dir: Path, rel: str) -> MoeView:
                 "us / token", logy=True)
     plots.lines(out_dir / "moe_pct_peak_bw.png", pct, f"{name}: bandwidth", "M (tokens)", "% of peak")
     return MoeView(source_line(src), tuple(tables), (("MoE us per token", f"{rel}/moe_us_per_token.png"),
-                                                     ("MoE % of peak bandwidth", f"{rel}/moe_pct_peak_bw.png")))
+                                                     ("MoE % of peak bandwidth", f"{rel}/moe_pct_peak_bw.png")),
+                   None if SHARD_TP in degrees else SHARD_TP)
 
 
 def point_key_sort(k: dict[str, Any]) -> tuple:

@@ -7,8 +7,11 @@ through the real templates.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,6 +83,7 @@ def test_a_kernels_only_smoke_run_after_a_full_run_keeps_the_e2e_section_and_swe
     moe = _section(page, "MoE W4A16 GEMM")
     assert "From run full-1 (full profile, complete" in moe
     assert [r[0] for r in _table_rows(moe)] == ["1", "2", "4", "8", "16", "32", "64", "128", "256", "512"]
+    assert "No TP-8 shard-shape points in this run" in moe          # write_run has full shapes only
     e2e = _section(page, "End to end")
     assert "From run full-1 (full profile, complete" in e2e and len(_table_rows(e2e)) == 3
     assert "## Step breakdown" in page and "## Time outside kernels" in page
@@ -153,6 +157,7 @@ def test_the_moe_section_shows_full_and_tp8_shard_shapes_in_two_tables(tmp_path:
     moe = _section(page, "MoE W4A16 GEMM")
     assert "expert intermediate 256 (gate_up N = 512, down K = 256)" in moe
     assert "expert intermediate 2048 (gate_up N = 4096, down K = 2048)" in moe
+    assert "No TP-8 shard-shape points" not in moe
     # the projected page keeps them apart as well (the projection carries the shard points)
     from flows.backtest import refresh
     refresh(store, inv, "h200")
@@ -201,6 +206,14 @@ def test_tokens_per_s_against_accepted_length_at_full_depth(tmp_path: Path, inv:
             want = [e for e in e2e if e["layers"] == FULL and e["tp"] == int(tp) and e["concurrency"] == int(c)
                     and e["synthetic_accept"] == 0.9]
             assert line[-1][6] == f"{max(e['tokens_per_s'] for e in want):,.0f}"
+    # the new tables and plot are byte-identical when another process renders them
+    cli = subprocess.run([sys.executable, "-c", "from flows.cli import app; app()", "notes", "--artifacts", store.base,
+                          "--hosts", str(inv.dir), "--docs", str(tmp_path / "cli")],
+                         env={**os.environ, "PYTHONHASHSEED": "999"}, capture_output=True, text=True, timeout=120,
+                         cwd=REPO)
+    assert cli.returncode == 0, cli.stderr
+    for rel in ("h200.md", "h200/tokens_vs_accept.png", "h200/moe_pct_peak_bw.png"):
+        assert (tmp_path / "cli" / "notes" / rel).read_bytes() == (notes / rel).read_bytes(), rel
 
 
 def test_no_accept_plot_without_full_depth_rows(tmp_path: Path, inv: Inventory) -> None:
