@@ -755,7 +755,7 @@ def accept_view(view: HostView, run: Run, out_dir: Path, rel: str) -> AcceptView
                            if projected else None))
     plots.lines(out_dir / "tokens_vs_accept.png", series,
                 f"{view.name}: full model ({ordered[0]['layers']} layers), tokens/s by acceptance",
-                "accepted tokens per step (measured)", "tokens/s", logx=False)
+                "accepted draft tokens per step (measured; + 1 bonus token)", "tokens/s", logx=False)
     return AcceptView(Table.of(head, table), f"{rel}/tokens_vs_accept.png", "")
 
 
