@@ -1,5 +1,10 @@
 """Generated notes (docs/notes/): one page per host, a fleet index, plots, and the git commit.
 
+Each section of a host page (kernels, e2e, comm) shows its suite's latest complete full-profile
+data, whichever run that came from, and says which run that is; a smoke or partial run appears in
+the page's run history and never displaces full data (`pick_source`). Pages are laid out by the
+jinja2 templates in flows/templates/ from small page views built here (`Page`, `IndexView`).
+
 Everything on a page is a function of artifacts/ and the inventory alone: no clock, no
 environment, fixed number formats and sorted orders, so the same inputs give the same bytes and
 git only sees a change when a figure changed. A host with no measured run gets a projected page,
@@ -7,20 +12,24 @@ read back as the flows (or `kdbench notes`) stored it: rendering never projects.
 come from the stored backtest (flows.backtest) the same way. Pages name hosts, GPUs, versions
 and fingerprints, never addresses, user names or key paths: `leaks` checks that before writing.
 Every string that came from a host (GPU name, versions, kernel, impl, config, run ids) is made
-plain and redacted with the inventory when the views are gathered, and escaped with `md` where it
-enters a page, so one odd host cannot break a table, inject markup or block the fleet's notes.
+plain and redacted with the inventory when the views are gathered, and escaped with `md` when the
+page views are built, so the templates never escape and one odd host cannot break a table, inject
+markup or block the fleet's notes.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import os
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import jinja2
 import pyarrow as pa
 
 from engine.config import CONFIGS
@@ -36,6 +45,9 @@ from flows.store import Store, StoreError, check_name
 
 NOISE = 0.05            # smallest change flagged as a regression, on top of the measured p10-p90 spread
 PLATEAU = 0.9           # plateau M: first M reaching this fraction of the best MoE bandwidth
+SUITES = ("kernels", "e2e", "comm")
+SHARD_TP = 8            # the shard an 8-GPU box runs: its MoE table is expected beside the full shapes
+HASH_CHARS = 12         # of a payload hash in the run history
 GIT_ENV = {"GIT_AUTHOR_NAME": "kdbench", "GIT_AUTHOR_EMAIL": "kdbench@localhost",
            "GIT_COMMITTER_NAME": "kdbench", "GIT_COMMITTER_EMAIL": "kdbench@localhost"}
 
@@ -52,6 +64,10 @@ class Run:
     def rows(self, table: str) -> list[dict[str, Any]]:
         return self.tables[table].to_pylist() if table in self.tables else []
 
+    def suite_row(self, suite: str) -> dict[str, Any] | None:
+        """The runs-table row of one suite of this run (None when the run did not include it)."""
+        return next((r for r in self.rows("runs") if r["suite"] == suite), None)
+
     @property
     def partial(self) -> bool:
         return any(r["status"] == "partial" for r in self.rows("runs"))
@@ -61,6 +77,18 @@ class Run:
         rows = self.rows("runs")
         kern = [r for r in rows if r["suite"] == "kernels"]
         return (kern or rows)[0]
+
+
+@dataclass
+class Source:
+    """Which run a section of a page shows, and why that one (`fallback`: empty for the latest
+    complete full-profile data)."""
+
+    suite: str
+    run: Run
+    profile: str
+    status: str
+    fallback: str = ""
 
 
 @dataclass
@@ -101,8 +129,47 @@ class HostView:
             return self.projection.run
         return None
 
+    def source(self, suite: str) -> Source | None:
+        """The run a suite's section shows: the projection, or the measured run `pick_source` chose."""
+        if self.projection and not self.measured:
+            run = self.projection.run
+            row = run.suite_row(suite)
+            return Source(suite, run, row["profile"], row["status"]) if row and run.rows(suite) else None
+        return pick_source(self.measured, suite)
+
+    @property
+    def sources(self) -> dict[str, Source]:
+        return {s: src for s in SUITES if (src := self.source(s)) is not None}
+
 
 # -- gathering ----------------------------------------------------------------------------------
+
+def _tier(row: dict[str, Any]) -> int:
+    """How well a suite's runs row stands for the host (lower is better): full and complete, full
+    and skipped, any other complete or skipped profile (smoke), partial."""
+    done = row["status"] in ("complete", "skipped")
+    if row["profile"] == "full" and done:
+        return 0 if row["status"] == "complete" else 1
+    return 2 if done else 3
+
+
+def pick_source(runs: Sequence[Run], suite: str) -> Source | None:
+    """The latest run (of `runs`, oldest first) holding the suite's best data: complete full-profile
+    data whenever there is any, so a later smoke or partial run never displaces it."""
+    best: tuple[int, Run, dict[str, Any]] | None = None
+    for run in runs:
+        row = run.suite_row(suite)
+        if row is None or not run.rows(suite):
+            continue
+        tier = _tier(row)
+        if best is None or tier <= best[0]:
+            best = (tier, run, row)
+    if best is None:
+        return None
+    tier, run, row = best
+    fallback = {2: f"no complete full-profile {suite} run yet", 3: f"no complete {suite} run yet"}.get(tier, "")
+    return Source(suite, run, row["profile"], row["status"], fallback)
+
 
 def measured_runs(store: Store, name: str) -> list[Run]:
     """Every measured run of a host (partial ones too): ingested runs and committed reference sets."""
@@ -213,11 +280,17 @@ def ceilings_of(run: Run, spec: Spec | None) -> tuple[float | None, float | None
         r.get("matmul_tflops") or (spec.tflops.get("bf16") if spec else None)
 
 
-def moe_points(run: Run) -> list[dict[str, Any]]:
-    """MoE W4A16 points at full shapes of the run's preferred implementation (Triton where it ran), by M."""
-    pts = [k for k in run.rows("kernels") if family(k["kernel"]) == "moe_w4a16" and k["M"] and tp_of(k) == 1]
+def moe_points(run: Run, tp: int = 1) -> list[dict[str, Any]]:
+    """MoE W4A16 points at one TP degree's shapes (1: full shapes) of the run's preferred
+    implementation (Triton where it ran), by M. Full and shard rows are never mixed."""
+    pts = [k for k in run.rows("kernels") if family(k["kernel"]) == "moe_w4a16" and k["M"] and tp_of(k) == tp]
     impls = sorted({k["impl"] for k in pts}, key=lambda i: (i != "triton", i))
     return sorted((k for k in pts if impls and k["impl"] == impls[0]), key=lambda k: k["M"])
+
+
+def moe_degrees(run: Run) -> list[int]:
+    """The TP degrees the run's MoE points were measured at: 1 (full shapes) first, then the shards."""
+    return sorted({tp_of(k) for k in run.rows("kernels") if family(k["kernel"]) == "moe_w4a16" and k["M"]})
 
 
 def plateau_m(points: list[dict[str, Any]]) -> int | None:
@@ -239,9 +312,14 @@ def full_depth(row: dict[str, Any]) -> int:
     return CONFIGS[row["config"]].layers if row["config"] in CONFIGS else row["layers"] or 0
 
 
+def at_full_depth(run: Run) -> list[dict[str, Any]]:
+    """The run's e2e rows with a figure that decode the model's whole depth: deployment figures."""
+    return [e for e in run.rows("e2e") if e["tokens_per_s"] and e["layers"] and e["layers"] >= full_depth(e)]
+
+
 def full_model_rows(run: Run) -> dict[int, dict[str, Any]]:
     """Per headline concurrency, the fastest full-depth e2e row at the run's largest TP degree."""
-    rows = [e for e in run.rows("e2e") if e["tokens_per_s"] and e["layers"] and e["layers"] >= full_depth(e)]
+    rows = at_full_depth(run)
     if not rows:
         return {}
     tp = max(tp_of(e) for e in rows)
@@ -253,15 +331,23 @@ def full_model_rows(run: Run) -> dict[int, dict[str, Any]]:
     return out
 
 
+def no_full_depth(run: Run) -> str:
+    """Why a run has no deployment figure, in words ("" when it has one or has no e2e rows)."""
+    if at_full_depth(run):
+        return ""
+    depths = sorted({e["layers"] for e in run.rows("e2e") if e["layers"]})
+    if not depths:
+        return ""
+    return (f"no full-depth e2e rows yet (the e2e rows here have {'/'.join(map(str, depths))} layers: "
+            "kernel tests, not deployment figures)")
+
+
 def model_headline(run: Run, projected: bool) -> str:
     """Full-model tokens/s at C=1 and C=16 with tp, layers and accept length, or why there is none."""
     rows = full_model_rows(run)
     if not rows:
-        depths = sorted({e["layers"] for e in run.rows("e2e") if e["layers"]})
-        if not depths:
-            return ""
-        return (f"full model: no full-depth e2e rows yet (the e2e rows here have "
-                f"{'/'.join(map(str, depths))} layers: kernel tests, not deployment figures)")
+        why = no_full_depth(run)
+        return f"full model: {why}" if why else ""
     parts = []
     for c, e in sorted(rows.items()):
         band = f" ({e['tokens_per_s_low']:,.0f}-{e['tokens_per_s_high']:,.0f})" if projected else ""
@@ -302,15 +388,15 @@ def bandwidth(gbps: float, *more: float) -> str:
 
 
 def headline(view: HostView) -> str:
-    """The one-line summary used in the index and the commit message."""
-    run = view.latest
-    if run is None:
+    """The one-line summary used in the index and the commit message, from the runs the page shows."""
+    if view.latest is None:
         return outside_headline(view) or "no data"
-    parts = [model_headline(run, view.kind == "projected")]
-    moe = best_moe(run)
+    kern, e2e = view.source("kernels"), view.source("e2e")
+    parts = [model_headline(e2e.run, view.kind == "projected") if e2e else ""]
+    moe = best_moe(kern.run) if kern else None
     if moe:
         gbps = moe["bytes"] / (moe["time_us_p50"] * 1e3)
-        copy, _ = ceilings_of(run, view.spec)
+        copy, _ = ceilings_of(kern.run, view.spec)
         if view.kind == "measured":
             parts.append(f"MoE W4A16 decode {bandwidth(gbps)} at M={moe['M']} = {gbps / copy:.0%} of copy bandwidth")
         else:
@@ -338,12 +424,126 @@ def _summary(views: Sequence[HostView]) -> list[str]:
     return out
 
 
-# -- pages --------------------------------------------------------------------------------------
+# -- page views: what the templates lay out ----------------------------------------------------
+# Every string a view holds is page text already: host strings went through `md` when the view was
+# built, so the templates (flows/templates/) only arrange them and never escape.
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return out + [""]
+@dataclass(frozen=True)
+class Table:
+    header: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+
+    @staticmethod
+    def of(header: Sequence[str], rows: Sequence[Sequence[str]]) -> "Table":
+        return Table(tuple(header), tuple(tuple(r) for r in rows))
+
+
+@dataclass(frozen=True)
+class SourceLine:
+    """Where a section's figures come from, as the page says it."""
+
+    run_id: str
+    profile: str
+    status: str
+    started: str
+    fallback: str
+
+
+@dataclass(frozen=True)
+class MoeTable:
+    title: str
+    shape: str
+    impl: str
+    plateau: int | None
+    table: Table
+
+
+@dataclass(frozen=True)
+class MoeView:
+    source: SourceLine | None
+    tables: tuple[MoeTable, ...]
+    plots: tuple[tuple[str, str], ...]            # (alt text, relative path)
+    missing_shard: int | None = None              # the shard degree an 8-GPU box runs, when not measured
+
+
+@dataclass(frozen=True)
+class KernelsView:
+    source: SourceLine | None
+    table: Table | None
+    roofline: str | None
+
+
+@dataclass(frozen=True)
+class AcceptView:
+    table: Table | None
+    plot: str | None
+    why_not: str                                  # when there is no full-depth row to plot
+
+
+@dataclass(frozen=True)
+class E2EView:
+    source: SourceLine
+    projected: bool
+    levels: str
+    table: Table
+    accept: AcceptView
+    split: Table
+    amdahl: str
+    busy: Table | None
+    largest: str
+
+
+@dataclass(frozen=True)
+class CommView:
+    source: SourceLine
+    table: Table
+
+
+@dataclass(frozen=True)
+class Comparison:
+    first: bool
+    sentence: str
+    table: Table | None
+
+
+@dataclass(frozen=True)
+class ProjectionView:
+    ref_line: str
+    assumptions: tuple[str, ...]
+    cited: Table | None
+
+
+@dataclass(frozen=True)
+class OutsideEntry:
+    line: str
+    e2e: Table | None
+    kernels: Table | None
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Page:
+    name: str
+    gpu: str
+    kind: str
+    data_line: str
+    headline: str | None
+    environment: Table | None
+    history: Table | None
+    moe: MoeView | None
+    kernels: KernelsView | None
+    e2e: E2EView | None
+    comm: CommView | None
+    comparison: Comparison | None
+    projection: ProjectionView | None
+    outside: tuple[OutsideEntry, ...]
+
+
+@dataclass(frozen=True)
+class IndexView:
+    hosts: Table
+    backtest: Table | None
+    backtest_details: tuple[str, ...]
 
 
 def status_line(view: HostView) -> str:
@@ -356,136 +556,236 @@ def status_line(view: HostView) -> str:
     return "active"
 
 
-def environment(view: HostView, run: Run) -> list[str]:
+def source_line(src: Source | None) -> SourceLine | None:
+    if src is None:
+        return None
+    return SourceLine(md(src.run.run_id), md(src.profile), md(src.status),
+                      md(src.run.runs_row.get("started_at") or "-"), md(src.fallback))
+
+
+def _shown_in(view: HostView) -> dict[str, list[str]]:
+    """run id -> the suites whose sections show it."""
+    out: dict[str, list[str]] = {}
+    for suite, src in view.sources.items():
+        out.setdefault(src.run.run_id, []).append(suite)
+    return out
+
+
+def environment(view: HostView) -> Table:
+    """The machine, then one column per run the page shows (the column header names its sections)."""
     spec, host = view.spec, view.host
-    rows = []
+    runs = [view.projection.run] if view.kind == "projected" else view.measured
+    shown = [(run, suites) for run in runs for suites in [_shown_in(view).get(run.run_id)] if suites] \
+        or [(runs[-1], ["no suite has data"])]
+    blank = ("",) * max(len(shown) - 1, 0)
+    rows: list[tuple[str, ...]] = []
     if spec:
-        rows += [("GPU", f"{spec.gpu} ({spec.arch})"), ("memory", f"{spec.memory_gb:g} GB"),
-                 ("spec bandwidth", f"{spec.mem_bw_gbps:,.0f} GB/s"),
-                 ("spec bf16 dense", f"{sig(spec.tflops.get('bf16'))} TFLOP/s")]
+        rows += [("GPU", f"{spec.gpu} ({spec.arch})", *blank), ("memory", f"{spec.memory_gb:g} GB", *blank),
+                 ("spec bandwidth", f"{spec.mem_bw_gbps:,.0f} GB/s", *blank),
+                 ("spec bf16 dense", f"{sig(spec.tflops.get('bf16'))} TFLOP/s", *blank)]
     if host:
-        rows += [("GPUs", f"{host.gpus} on {host.interconnect}"), ("inventory status", status_line(view))]
-    r = run.runs_row
-    copy, mm = ceilings_of(run, spec)
+        rows += [("GPUs", f"{host.gpus} on {host.interconnect}", *blank), ("inventory status", status_line(view), *blank)]
     if view.kind == "measured":
-        rows += [(k, md(r[k])) for k in ("gpu_name", "driver", "cuda", "torch", "triton", "python",
-                                          "payload_hash", "device", "profile", "started_at") if r.get(k)]
-        rows += [("measured copy bandwidth", f"{sig(r.get('copy_gbps'))} GB/s"),
-                 ("measured matmul", f"{sig(r.get('matmul_tflops'))} TFLOP/s")]
+        for key in ("gpu_name", "driver", "cuda", "torch", "triton", "python", "payload_hash", "device", "profile",
+                    "started_at"):
+            cells = tuple(md(run.runs_row.get(key) or "-") for run, _ in shown)
+            if any(c != "-" for c in cells):
+                rows.append((key, *cells))
+        rows += [("measured copy bandwidth", *(f"{sig(run.runs_row.get('copy_gbps'))} GB/s" for run, _ in shown)),
+                 ("measured matmul", *(f"{sig(run.runs_row.get('matmul_tflops'))} TFLOP/s" for run, _ in shown))]
     else:
-        rows += [("projected ceilings", f"{sig(copy)} GB/s, {sig(mm)} TFLOP/s")]
-    rows.append(("run", md(run.run_id)))
-    return ["## Environment", ""] + _table(("", ""), rows)
+        copy, mm = ceilings_of(view.projection.run, spec)
+        rows.append(("projected ceilings", f"{sig(copy)} GB/s, {sig(mm)} TFLOP/s"))
+    rows.append(("run", *(md(run.run_id) for run, _ in shown)))
+    return Table.of(("", *(", ".join(s) for _, s in shown)), rows)
 
 
-def moe_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
-    pts = moe_points(run)
-    if not pts:
-        return ["## MoE W4A16 GEMM", "", "No MoE points in this run.", ""]
+def history(view: HostView) -> Table:
+    """Every measured run, newest first: smoke and partial ones too, and which sections each feeds."""
+    shown = _shown_in(view)
+    rows = []
+    for run in reversed(view.measured):
+        suites = sorted(run.rows("runs"), key=lambda r: (r["suite"] not in SUITES, SUITES.index(r["suite"])
+                                                          if r["suite"] in SUITES else 0, r["suite"]))
+        profiles = sorted({r["profile"] for r in suites})
+        listed = ", ".join(r["suite"] if r["status"] == "complete" else f"{r['suite']} ({r['status']})"
+                           for r in suites)
+        payload = run.runs_row.get("payload_hash")
+        rows.append((md(run.run_id), md(run.runs_row.get("started_at") or "-"), md(", ".join(profiles)), md(listed),
+                     md(payload[:HASH_CHARS]) if payload else "-", "partial" if run.partial else "complete",
+                     ", ".join(shown.get(run.run_id, [])) or "-"))
+    return Table.of(("run", "started", "profile", "suites", "payload", "status", "shown here"), rows)
+
+
+def moe_table(view: HostView, run: Run, pts: list[dict[str, Any]], tp: int) -> MoeTable:
     copy, _ = ceilings_of(run, view.spec)
     spec_bw = view.spec.mem_bw_gbps if view.spec else None
     projected = view.kind == "projected"
-    head = ["M", "us", "us/token", "GB/s", "% of copy BW", "% of spec BW", "unique experts (expected)"]
+    head = ["M", "us", "us/token", "MB moved", "GB/s", "% of copy BW", "% of spec BW", "unique experts (expected)"]
     if projected:
         head[1:2] = ["us", "band (us)", "regime (ref)"]
     rows = []
     for k in pts:
         t = k["time_us_p50"]
         gb = k["bytes"] / (t * 1e3)
-        row = [str(k["M"]), fmt(t), fmt(t / k["M"], 2), sig(gb), fmt(100 * gb / copy if copy else None),
-               fmt(100 * gb / spec_bw if spec_bw else None),
+        row = [str(k["M"]), fmt(t), fmt(t / k["M"], 2), fmt(k["bytes"] / 1e6), sig(gb),
+               fmt(100 * gb / copy if copy else None), fmt(100 * gb / spec_bw if spec_bw else None),
                f"{k['unique_experts'] if k['unique_experts'] is not None else '-'} ({fmt(k['expected_experts'])})"]
         if projected:
             row[1:2] = [fmt(t), f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}",
                         f"{md(k['regime'])} ({md(k['reference_regime'])})"]
         rows.append(row)
-    impl = pts[0]["impl"]
-    name = f"{view.name}: MoE W4A16 ({impl})"
-    series = [(run.run_id, [k["M"] for k in pts], [k["time_us_p50"] / k["M"] for k in pts],
-               ([k["time_us_low"] / k["M"] for k in pts], [k["time_us_high"] / k["M"] for k in pts])
-               if projected else None)]
-    plots.lines(out_dir / "moe_us_per_token.png", series, f"{name}: time per token", "M (tokens)",
-                "us / token", logy=True)
-    pct = [(f"% of {label} BW ({sig(bw)} GB/s)", [k["M"] for k in pts],
-            [100 * k["bytes"] / (k["time_us_p50"] * 1e3) / bw for k in pts], None)
-           for label, bw in (("copy", copy), ("spec", spec_bw)) if bw]
-    plots.lines(out_dir / "moe_pct_peak_bw.png", pct, f"{name}: bandwidth", "M (tokens)", "% of peak")
-    shape = f"E={pts[0]['E']} routed experts, top-{pts[0]['top_k']}, H={pts[0]['K']}"
-    return ["## MoE W4A16 GEMM", "",
-            f"{shape}, {md(impl)}; plateau M = {plateau_m(pts)} (first M reaching "
-            f"{PLATEAU:.0%} of the best bandwidth).", ""] + _table(head, rows) + [
-        f"![MoE us per token]({rel}/moe_us_per_token.png)", "",
-        f"![MoE % of peak bandwidth]({rel}/moe_pct_peak_bw.png)", ""]
+    p = pts[0]
+    inter = f", expert intermediate {p['N'] // 2} (gate_up N = {p['N']}, down K = {p['N'] // 2})" if p["N"] else ""
+    title = "Full shapes" if tp == 1 else f"TP-{tp} shard shapes (one rank of a TP-{tp} deployment)"
+    shape = f"E={p['E']} routed experts, top-{p['top_k']}, H={p['K']}{inter}"
+    return MoeTable(title, shape, md(p["impl"]), plateau_m(pts), Table.of(head, rows))
 
 
-def other_kernels(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
-    pts = sorted((k for k in run.rows("kernels") if k["kernel"] != "moe_w4a16"), key=point_key_sort)
+def _shape_label(tp: int) -> str:
+    return "full shape" if tp == 1 else f"TP-{tp} shard"
+
+
+def moe_view(view: HostView, out_dir: Path, rel: str) -> MoeView:
+    """One table per shape (full, then each shard degree); the plots draw each shape as its own line."""
+    src = view.source("kernels")
+    degrees = moe_degrees(src.run) if src else []
+    if not degrees:
+        return MoeView(source_line(src), (), ())
+    run = src.run
+    copy, _ = ceilings_of(run, view.spec)
+    spec_bw = view.spec.mem_bw_gbps if view.spec else None
     projected = view.kind == "projected"
-    head = ["kernel", "impl", "batch", "budget", "context", "us", "GB/s", "TFLOP/s", "regime"]
-    if projected:
-        head += ["band (us)", "reference regime"]
-    rows = []
-    for k in pts:
-        t = k["time_us_p50"]
-        row = [md(k["kernel"]), md(k["impl"]), fmt(k["batch"], 0) if k["batch"] is not None else "-",
-               str(k["budget"]) if k["budget"] is not None else "-",
-               str(k["context"]) if k["context"] is not None else "-", fmt(t),
-               sig(k["bytes"] / (t * 1e3)), sig(k["flops"] / (t * 1e6)),
-               md(k["regime"] or regime(k, *ceilings_of(run, view.spec)))]
-        if projected:
-            row += [f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}", md(k["reference_regime"] or "-")]
-        rows.append(row)
-    copy, mm = ceilings_of(run, view.spec)
-    fams: dict[str, tuple[list[float], list[float]]] = {}
-    for k in run.rows("kernels"):
-        if not host_side(k) and k["bytes"] > 0:
-            xs, ys = fams.setdefault(f"{k['kernel']}/{k['impl']}", ([], []))
-            xs.append(k["flops"] / k["bytes"])
-            ys.append(k["flops"] / (k["time_us_p50"] * 1e6))
-    roofs = [(view.name, copy, mm)] if copy and mm else []
-    if view.kind == "projected" and view.projection.ref:
-        p = view.projection
-        roofs.append((f"{p.ref_host} (reference)", *ceilings_of(p.ref, p.ref_spec)))
-    out = ["## Attention and tree kernels", ""] + (_table(head, rows) if rows else ["No points.", ""])
-    if fams:
-        plots.roofline(out_dir / "roofline.png", [(f, xs, ys) for f, (xs, ys) in sorted(fams.items())], roofs,
-                       f"{view.name}: roofline ({view.kind})")
-        out += [f"![roofline]({rel}/roofline.png)", ""]
-    return out
+    tables, per_token, pct = [], [], []
+    for tp in degrees:
+        pts = moe_points(run, tp)
+        tables.append(moe_table(view, run, pts, tp))
+        ms = [k["M"] for k in pts]
+        per_token.append((f"{_shape_label(tp)} ({pts[0]['impl']})", ms, [k["time_us_p50"] / k["M"] for k in pts],
+                          ([k["time_us_low"] / k["M"] for k in pts], [k["time_us_high"] / k["M"] for k in pts])
+                          if projected else None))
+        pct += [(f"{_shape_label(tp)}, % of {label} BW ({sig(bw)} GB/s)", ms,
+                 [100 * k["bytes"] / (k["time_us_p50"] * 1e3) / bw for k in pts], None)
+                for label, bw in (("copy", copy), ("spec", spec_bw)) if bw]
+    name = f"{view.name}: MoE W4A16"
+    plots.lines(out_dir / "moe_us_per_token.png", per_token, f"{name}: time per token", "M (tokens)",
+                "us / token", logy=True)
+    plots.lines(out_dir / "moe_pct_peak_bw.png", pct, f"{name}: bandwidth", "M (tokens)", "% of peak")
+    return MoeView(source_line(src), tuple(tables), (("MoE us per token", f"{rel}/moe_us_per_token.png"),
+                                                     ("MoE % of peak bandwidth", f"{rel}/moe_pct_peak_bw.png")),
+                   None if SHARD_TP in degrees else SHARD_TP)
 
 
 def point_key_sort(k: dict[str, Any]) -> tuple:
     return tuple((v is None, v if v is not None else 0) for v in point_key(k))
 
 
-def e2e_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
-    rows = sorted(run.rows("e2e"), key=lambda e: (e["config"], e["layers"] or 0, tp_of(e), e["budget"],
-                                                  e["concurrency"]))
-    if not rows:
-        return ["## End to end", "", "No e2e points in this run.", ""]
+def kernels_view(view: HostView, out_dir: Path, rel: str) -> KernelsView | None:
+    src = view.source("kernels")
+    if src is None:
+        return None
+    run = src.run
+    pts = sorted((k for k in run.rows("kernels") if family(k["kernel"]) != "moe_w4a16"), key=point_key_sort)
     projected = view.kind == "projected"
-    head = ["config", "layers", "tp", "budget", "concurrency", "accepted / step", "tokens/s", "step ms"]
+    head = ["kernel", "impl", "batch", "budget", "context", "us", "GB/s", "TFLOP/s", "regime"]
     if projected:
-        head.insert(7, "band (tokens/s)")
+        head += ["band (us)", "reference regime"]
+    copy, mm = ceilings_of(run, view.spec)
+    rows = []
+    for k in pts:
+        t = k["time_us_p50"]
+        row = [md(k["kernel"]), md(k["impl"]), fmt(k["batch"], 0) if k["batch"] is not None else "-",
+               str(k["budget"]) if k["budget"] is not None else "-",
+               str(k["context"]) if k["context"] is not None else "-", fmt(t),
+               sig(k["bytes"] / (t * 1e3)), sig(k["flops"] / (t * 1e6)), md(k["regime"] or regime(k, copy, mm))]
+        if projected:
+            row += [f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}", md(k["reference_regime"] or "-")]
+        rows.append(row)
+    fams: dict[str, tuple[list[float], list[float]]] = {}
+    for k in run.rows("kernels"):
+        if not host_side(k) and k["bytes"] > 0:  # a shard shape is its own series: full and shard never mix
+            xs, ys = fams.setdefault(label(k) + (f" TP-{tp_of(k)} shard" if tp_of(k) > 1 else ""), ([], []))
+            xs.append(k["flops"] / k["bytes"])
+            ys.append(k["flops"] / (k["time_us_p50"] * 1e6))
+    roofs = [(view.name, copy, mm)] if copy and mm else []
+    if projected and view.projection.ref:
+        p = view.projection
+        roofs.append((f"{p.ref_host} (reference)", *ceilings_of(p.ref, p.ref_spec)))
+    plot = None
+    if fams:
+        plots.roofline(out_dir / "roofline.png", [(f, xs, ys) for f, (xs, ys) in sorted(fams.items())], roofs,
+                       f"{view.name}: roofline ({view.kind})")
+        plot = f"{rel}/roofline.png"
+    return KernelsView(source_line(src), Table.of(head, rows) if rows else None, plot)
+
+
+def accept_view(view: HostView, run: Run, out_dir: Path, rel: str) -> AcceptView:
+    """Tokens/s against the measured accepted length at the model's full depth, one line per
+    (tp, concurrency): a reader with their own drafter's acceptance reads off their figure. At each
+    acceptance level the fastest node budget stands for the point."""
+    rows = at_full_depth(run)
+    if not rows:
+        why = no_full_depth(run) or "no e2e rows with a figure"
+        return AcceptView(None, None, why)
+    projected = view.kind == "projected"
+    best: dict[tuple, dict[str, Any]] = {}
+    for e in rows:
+        key = (tp_of(e), e["concurrency"], e["synthetic_accept"])
+        if key not in best or (e["tokens_per_s"], -e["budget"]) > (best[key]["tokens_per_s"], -best[key]["budget"]):
+            best[key] = e
+    ordered = sorted(best.values(), key=lambda e: (tp_of(e), e["concurrency"], e["accept_len_mean"] or 0,
+                                                   e["synthetic_accept"] or 0))
+    head = ["tp", "layers", "concurrency", "level", "accepted / step", "budget", "tokens/s"]
+    if projected:
+        head.append("band (tokens/s)")
+    table = []
+    for e in ordered:
+        r = [str(tp_of(e)), str(e["layers"]), str(e["concurrency"]),
+             "-" if e["synthetic_accept"] is None else f"{e['synthetic_accept']:g}", fmt(e["accept_len_mean"], 2),
+             str(e["budget"]), fmt(e["tokens_per_s"], 0)]
+        if projected:
+            r.append(f"{fmt(e['tokens_per_s_low'], 0)}-{fmt(e['tokens_per_s_high'], 0)}")
+        table.append(r)
+    series = []
+    for tp, conc in sorted({(tp_of(e), e["concurrency"]) for e in ordered}):
+        line = [e for e in ordered if tp_of(e) == tp and e["concurrency"] == conc and e["accept_len_mean"] is not None]
+        if line:
+            series.append((f"TP-{tp} C={conc}", [e["accept_len_mean"] for e in line], [e["tokens_per_s"] for e in line],
+                           ([e["tokens_per_s_low"] for e in line], [e["tokens_per_s_high"] for e in line])
+                           if projected else None))
+    plots.lines(out_dir / "tokens_vs_accept.png", series,
+                f"{view.name}: full model ({ordered[0]['layers']} layers), tokens/s by acceptance",
+                "accepted draft tokens per step (measured; + 1 bonus token)", "tokens/s", logx=False)
+    return AcceptView(Table.of(head, table), f"{rel}/tokens_vs_accept.png", "")
+
+
+def e2e_view(view: HostView, out_dir: Path, rel: str) -> E2EView | None:
+    src = view.source("e2e")
+    if src is None:
+        return None
+    run = src.run
+    rows = sorted(run.rows("e2e"), key=lambda e: (e["config"], e["layers"] or 0, tp_of(e),
+                                                  e["synthetic_accept"] or 0, e["budget"], e["concurrency"]))
+    projected = view.kind == "projected"
+    head = ["config", "layers", "tp", "level", "budget", "concurrency", "accepted / step", "tokens/s", "step ms"]
+    if projected:
+        head.insert(8, "band (tokens/s)")
     table = []
     for e in rows:
-        r = [md(e["config"]), str(e["layers"]), str(tp_of(e)), str(e["budget"]), str(e["concurrency"]),
-             fmt(e["accept_len_mean"], 2), fmt(e["tokens_per_s"], 0), fmt(e["step_ms_p50"], 2)]
+        r = [md(e["config"]), str(e["layers"]), str(tp_of(e)),
+             "-" if e["synthetic_accept"] is None else f"{e['synthetic_accept']:g}", str(e["budget"]),
+             str(e["concurrency"]), fmt(e["accept_len_mean"], 2), fmt(e["tokens_per_s"], 0), fmt(e["step_ms_p50"], 2)]
         if projected:
-            r.insert(7, f"{fmt(e['tokens_per_s_low'], 0)}-{fmt(e['tokens_per_s_high'], 0)}")
+            r.insert(8, f"{fmt(e['tokens_per_s_low'], 0)}-{fmt(e['tokens_per_s_high'], 0)}")
         table.append(r)
     level = sorted({e["synthetic_accept"] for e in rows if e["synthetic_accept"] is not None})
-    out = ["## End to end", "",
-           "Tokens/s = (accepted draft tokens + 1 bonus token) x concurrency / step time. Acceptance is "
-           f"synthetic (drafter steered at level {', '.join(f'{x:g}' for x in level) or '-'}).", ""]
-    out += _table(head, table)
     # the step split and its Amdahl shares; for a projection, the reference's next to the target's
     ref_rows = {}
     if projected and view.projection.ref:
         ref_rows = {e2e_key(e, without=("tp",)): e for e in view.projection.ref.rows("e2e")}
-    head = ["point"] + [t.removesuffix("_ms") for t in TERMS] + ["step ms"]
     split, bars = [], []
-    ends = {min(e["concurrency"] for e in rows), max(e["concurrency"] for e in rows)} if rows else set()
+    point_label = point_labels(rows)
+    ends = {min(e["concurrency"] for e in rows), max(e["concurrency"] for e in rows)}
     for e in rows:
         key = e2e_key(e, without=("tp",))
         sides = [(view.projection.ref_host, ref_rows[key])] if key in ref_rows else []
@@ -493,41 +793,65 @@ def e2e_section(view: HostView, run: Run, out_dir: Path, rel: str) -> list[str]:
         for side, row in sides:
             b = breakdown(row)
             step = sum(b.values())
-            label = f"B={e['budget']} c={e['concurrency']}" + (f" {side}" if projected else "")
-            split.append([label] + [f"{fmt(b[t], 2)} ({100 * b[t] / step:.0f}%)" for t in TERMS] + [fmt(step, 2)])
+            name = point_label(e) + (f" {side}" if projected else "")
+            split.append([name] + [f"{fmt(b[t], 2)} ({100 * b[t] / step:.0f}%)" for t in TERMS] + [fmt(step, 2)])
             if e["concurrency"] in ends:  # the plot keeps the extremes readable; the table has every point
-                bars.append((label, b))
+                bars.append((name, b))
     plots.amdahl(out_dir / "amdahl.png", bars,
                  f"{view.name}: step shares at c={'/'.join(map(str, sorted(ends)))}"
                  + (f", {view.projection.ref_host} vs {view.name}" if projected else ""))
-    out += ["## Step breakdown", "", "Milliseconds per step and the Amdahl share of each term"
-            + (", reference and target side by side: the largest target share is what matters on this machine."
-               if projected else "."), ""] + _table(head, split)
-    out += [f"![Amdahl shares]({rel}/amdahl.png)", ""]
     busy = [e for e in rows if e.get("kernel_ms") is not None and e.get("outside_ms") is not None]
-    if busy:
-        out += ["## Time outside kernels", "",
-                "GPU busy time per step (kernels and copies, from a second, profiled decode of each point) and "
-                "the rest of the measured step: Python, launches, gaps between kernels, the step's one "
-                "synchronisation.", ""]
-        out += _table(["point", "kernels ms", "outside ms", "outside share"],
-                      [[f"B={e['budget']} c={e['concurrency']}", fmt(e["kernel_ms"], 2), fmt(e["outside_ms"], 2),
-                        f"{100 * e['outside_ms'] / (e['kernel_ms'] + e['outside_ms']):.0f}%"] for e in busy])
+    busy_table = Table.of(["point", "kernels ms", "outside ms", "outside share"],
+                          [[point_label(e), fmt(e["kernel_ms"], 2), fmt(e["outside_ms"], 2),
+                            f"{100 * e['outside_ms'] / (e['kernel_ms'] + e['outside_ms']):.0f}%"] for e in busy]) \
+        if busy else None
+    largest = ""
     if projected:
         last = rows[-1]
         b = breakdown(last)
         top = max(TERMS, key=lambda t: (b[t], t))
-        out += [f"At concurrency {last['concurrency']} the largest term on {view.name} is "
-                f"{top.removesuffix('_ms')} ({100 * b[top] / sum(b.values()):.0f}% of the step).", ""]
-    return out
+        largest = (f"At concurrency {last['concurrency']} the largest term on {view.name} is "
+                   f"{top.removesuffix('_ms')} ({100 * b[top] / sum(b.values()):.0f}% of the step).")
+    return E2EView(source_line(src), projected, ", ".join(f"{x:g}" for x in level) or "-", Table.of(head, table),
+                   accept_view(view, run, out_dir, rel),
+                   Table.of(["point"] + [t.removesuffix("_ms") for t in TERMS] + ["step ms"], split),
+                   f"{rel}/amdahl.png", busy_table, largest)
 
 
-def comparison(view: HostView) -> list[str]:
-    """The latest measured run against the previous one; changes beyond the noise are flagged."""
-    out = ["## Against the previous run", ""]
-    if len(view.measured) < 2:
-        return out + ["First measured run of this host: nothing to compare with.", ""]
-    prev, cur = view.measured[-2], view.measured[-1]
+def point_labels(rows: Sequence[dict[str, Any]]) -> Callable[[dict[str, Any]], str]:
+    """How an e2e point is named in the split, busy and comparison tables: its budget and
+    concurrency, plus depth, TP degree and acceptance level where the rows differ in them."""
+    axes = [(name, get) for name, get in (("L", lambda e: e["layers"]), ("tp", tp_of),
+                                          ("a", lambda e: e["synthetic_accept"]))
+            if len({get(e) for e in rows}) > 1]
+
+    def name(e: dict[str, Any]) -> str:
+        return " ".join([f"B={e['budget']} c={e['concurrency']}"] +
+                        [f"{a}={'-' if get(e) is None else format(get(e), 'g')}" for a, get in axes])
+    return name
+
+
+def comm_view(view: HostView) -> CommView | None:
+    src = view.source("comm")
+    if src is None:
+        return None
+    rows = sorted(src.run.rows("comm"), key=lambda c: (c["op"], c["world_size"], c["bytes"]))
+    return CommView(source_line(src), Table.of(
+        ["op", "GPUs", "bytes", "us", "algbw GB/s", "busbw GB/s", "status"],
+        [[md(c["op"]), str(c["world_size"]), f"{c['bytes']:,}", fmt(c["time_us_p50"]), sig(c["algbw_gbps"]),
+          sig(c["busbw_gbps"]), md(c["status"] if c["status"] == "ok" else f"{c['status']}: {c['skip_reason'] or '-'}")]
+         for c in rows]))
+
+
+def comparison(view: HostView) -> Comparison:
+    """The latest measured run against the previous run of the same profile (a smoke run against a
+    smoke run, a full run against a full one); changes beyond the noise are flagged."""
+    cur = view.measured[-1]
+    profile = cur.runs_row["profile"]
+    prev = next((r for r in reversed(view.measured[:-1]) if r.runs_row["profile"] == profile), None)
+    if prev is None:
+        return Comparison(True, f"First measured {md(profile)}-profile run of this host: nothing to compare with.",
+                          None)
     old = {point_key(k): k for k in prev.rows("kernels")}
     rows, flagged = [], 0
     for k in sorted(cur.rows("kernels"), key=point_key_sort):
@@ -540,21 +864,24 @@ def comparison(view: HostView) -> list[str]:
         flagged += flag == "REGRESSION"
         if flag:
             shape = " ".join(f"{a}={k[a]}" for a in ("M", "batch", "budget", "context") if k[a] is not None)
-            rows.append([md(f"{k['kernel']}/{k['impl']}"), shape, fmt(o["time_us_p50"]), fmt(k["time_us_p50"]),
+            shape += f" tp={tp_of(k)}" if tp_of(k) > 1 else ""
+            rows.append([md(label(k)), shape, fmt(o["time_us_p50"]), fmt(k["time_us_p50"]),
                          f"{change:+.1%}", f"{noise:.1%}", flag])
-    olde = {(e["config"], e["budget"], e["concurrency"]): e for e in prev.rows("e2e")}
+    olde = {e2e_key(e): e for e in prev.rows("e2e")}
+    point_label = point_labels(cur.rows("e2e"))
     for e in cur.rows("e2e"):
-        o = olde.get((e["config"], e["budget"], e["concurrency"]))
+        o = olde.get(e2e_key(e))
         if o and o["tokens_per_s"] and e["tokens_per_s"]:
             change = e["tokens_per_s"] / o["tokens_per_s"] - 1
             flag = "REGRESSION" if change < -NOISE else "faster" if change > NOISE else ""
             flagged += flag == "REGRESSION"
             if flag:
-                rows.append(["e2e tokens/s", f"c={e['concurrency']} budget={e['budget']}", fmt(o["tokens_per_s"], 0),
+                rows.append(["e2e tokens/s", point_label(e), fmt(o["tokens_per_s"], 0),
                              fmt(e["tokens_per_s"], 0), f"{change:+.1%}", f"{NOISE:.1%}", flag])
-    out += [f"Run {md(cur.run_id)} against {md(prev.run_id)}: {flagged} regression(s) beyond the noise "
-            f"(the larger of {NOISE:.0%} and the points' p10-p90 spread).", ""]
-    return out + (_table(["point", "shape", "before", "now", "change", "noise", ""], rows) if rows else [])
+    sentence = (f"Run {md(cur.run_id)} against {md(prev.run_id)} (both {md(profile)} profile): {flagged} "
+                f"regression(s) beyond the noise (the larger of {NOISE:.0%} and the points' p10-p90 spread).")
+    return Comparison(False, sentence, Table.of(["point", "shape", "before", "now", "change", "noise", ""], rows)
+                      if rows else None)
 
 
 def spread(k: dict[str, Any]) -> float:
@@ -636,98 +963,71 @@ def backtest_cells(rows: Sequence[BacktestRow]) -> list[list[str]]:
     return out
 
 
-def backtest_table(rows: Sequence[BacktestRow]) -> list[str]:
-    return _table(BACKTEST_COLUMNS, backtest_cells(rows))
 
 
-def backtest_section(rows: Sequence[BacktestRow]) -> list[str]:
-    head = ["## How good are the projections", "",
-            "Hold-out backtests on the measured data (stored by `kdbench backtest`): each predicts measured points "
-            "from other measured points. Error = predicted / measured - 1; in band = share of measured points "
-            "inside the predicted band. Goals: median error at most 10% on memory-bound kernel families and 20% "
-            "on e2e, bands holding at least 90% of the points; where a row misses, the goal column says by how much.",
-            ""]
-    if not rows:
-        return head + ["No backtest stored yet: run `kdbench backtest`.", ""]
-    details = sorted({(r.kind, r.detail) for r in rows if not r.skipped})
-    return head + backtest_table(rows) + [f"- {md(k)}: {md(d, cap=400)}" for k, d in details] + [""]
-
-
-def projection_section(view: HostView) -> list[str]:
+def projection_view(view: HostView) -> ProjectionView:
     p = view.projection
     gpu = f" ({p.ref_spec.gpu})" if p.ref_spec else ""
     fams = {label(k) for k in p.run.rows("kernels")}
     cited = [r for r in view.backtest if r.family.split(" vs ")[0] in fams or r.regime == "e2e"]
-    out = ["## Projection", "",
-           f"Reference: host {p.ref_host}, run {p.ref_run_id}{gpu}; "
-           f"references used for the band: {', '.join(p.references)}.", "", "Assumptions:", ""] + \
-        [f"- {assumption_text(a)}" for a in p.assumptions] + [
-        "", "Every figure on this page is a projection with a low-high band, not a measurement.", "",
-        "### Backtest error of this page's families", "",
-        "How far the same projection missed when it predicted measured points it had not seen "
-        "(the fleet index has every backtest).", ""]
-    return out + (backtest_table(cited) if cited else ["No backtest stored yet: run `kdbench backtest`.", ""])
+    return ProjectionView(f"Reference: host {md(p.ref_host)}, run {md(p.ref_run_id)}{gpu}; references used for the "
+                          f"band: {', '.join(md(r) for r in p.references)}.",
+                          tuple(assumption_text(a) for a in p.assumptions),
+                          Table.of(BACKTEST_COLUMNS, backtest_cells(cited)) if cited else None)
 
 
-def outside_section(view: HostView) -> list[str]:
+def outside_entries(view: HostView) -> tuple[OutsideEntry, ...]:
     """Imported figures of this machine, beside kdbench's own and never mixed with them."""
-    if not view.outside:
-        return []
-    out = ["## Outside measurements", "",
-           "Figures measured by others on this kind of machine and imported with `kdbench import`; kdbench did not "
-           "run them. They are shown as published, beside kdbench's own figures, and never mixed into them.", ""]
+    out = []
     for run in view.outside:
         prov = provenance(run.tables["runs"])
-        out += [f"**{md(run.run_id)}** ({md(prov.get('origin'))}): {md(prov.get('machine', '-'))}; "
-                f"{md(prov.get('date', '-'))}; source: {md(prov.get('source', '-'), cap=400)}.", ""]
-        e2e = run.rows("e2e")
-        if e2e:
-            out += _table(["engine", "config", "layers", "tp", "concurrency", "tokens/s", "TTFT ms", "ITL ms"],
-                          [[md(prov.get("impl", "-")), md(e["config"]), str(e["layers"] or "-"), str(tp_of(e)),
-                            str(e["concurrency"]), fmt(e["tokens_per_s"]), fmt(e["ttft_ms"]), fmt(e["itl_ms_p50"])]
-                           for e in sorted(e2e, key=lambda e: e["concurrency"])])
-        kern = run.rows("kernels")
-        if kern:
-            out += _table(["kernel", "impl", "M", "us", "us/token", "GB/s"],
-                          [[md(k["kernel"]), md(k["impl"]), str(k["M"] or "-"), fmt(k["time_us_p50"]),
-                            fmt(k["time_us_p50"] / k["M"], 2) if k["M"] else "-",
-                            sig(k["bytes"] / (k["time_us_p50"] * 1e3))]
-                           for k in sorted(kern, key=point_key_sort)])
+        e2e, kern = run.rows("e2e"), run.rows("kernels")
         notes = prov.get("notes")
-        if isinstance(notes, list) and notes:
-            out += [f"- {md(n, cap=400)}" for n in notes[:20]] + [""]
-    return out
+        out.append(OutsideEntry(
+            f"**{md(run.run_id)}** ({md(prov.get('origin'))}): {md(prov.get('machine', '-'))}; "
+            f"{md(prov.get('date', '-'))}; source: {md(prov.get('source', '-'), cap=400)}.",
+            Table.of(["engine", "config", "layers", "tp", "concurrency", "tokens/s", "TTFT ms", "ITL ms"],
+                     [[md(prov.get("impl", "-")), md(e["config"]), str(e["layers"] or "-"), str(tp_of(e)),
+                       str(e["concurrency"]), fmt(e["tokens_per_s"]), fmt(e["ttft_ms"]), fmt(e["itl_ms_p50"])]
+                      for e in sorted(e2e, key=lambda e: e["concurrency"])]) if e2e else None,
+            Table.of(["kernel", "impl", "M", "us", "us/token", "GB/s"],
+                     [[md(k["kernel"]), md(k["impl"]), str(k["M"] or "-"), fmt(k["time_us_p50"]),
+                       fmt(k["time_us_p50"] / k["M"], 2) if k["M"] else "-", sig(k["bytes"] / (k["time_us_p50"] * 1e3))]
+                      for k in sorted(kern, key=point_key_sort)]) if kern else None,
+            tuple(md(n, cap=400) for n in notes[:20]) if isinstance(notes, list) else ()))
+    return tuple(out)
 
 
-def render_host(view: HostView, docs_dir: Path) -> str:
-    """The page's markdown; its plots are written under docs_dir/<host>/ on the way."""
-    out_dir = docs_dir / view.name
-    run = view.latest
+def page_view(view: HostView, docs_dir: Path) -> Page:
+    """Everything one host page shows; its plots are written under docs_dir/<host>/ on the way."""
+    out_dir, rel = docs_dir / view.name, view.name
     gpu = f" ({view.spec.gpu})" if view.spec else ""
     if view.kind == "measured":
-        lines = [f"# {view.name}{gpu}: measured", "",
-                 f"**Data: measured.** Latest run {md(run.run_id)}"
-                 f"{' (partial: some suites did not finish)' if run.partial else ''}; "
-                 f"inventory status: {status_line(view)}.", ""]
+        latest = view.measured[-1]
+        data = (f"**Data: measured.** Latest run {md(latest.run_id)}"
+                f"{' (partial: some suites did not finish)' if latest.partial else ''}; "
+                f"inventory status: {status_line(view)}.")
     elif view.kind == "projected":
-        lines = [f"# {view.name}{gpu}: projected", "",
-                 f"**Data: projected** from {md(view.projection.ref_host)} run {md(view.projection.ref_run_id)}; "
-                 f"this host has no run of its own yet. Inventory status: {status_line(view)}.", ""]
+        data = (f"**Data: projected** from {md(view.projection.ref_host)} run {md(view.projection.ref_run_id)}; "
+                f"this host has no run of its own yet. Inventory status: {status_line(view)}.")
     else:
-        lines = [f"# {view.name}{gpu}: no data", "", f"**Data: none.** {md(view.missing, cap=1000)}", ""]
-    if run is not None:
-        rel = view.name
-        lines += [f"**Headline:** {headline(view)}.", ""]
-        lines += environment(view, run)
-        lines += moe_section(view, run, out_dir, rel)
-        lines += other_kernels(view, run, out_dir, rel)
-        lines += e2e_section(view, run, out_dir, rel)
-        lines += comparison(view) if view.kind == "measured" else projection_section(view)
-    lines += outside_section(view)
-    return "\n".join(lines).rstrip() + "\n"
+        data = f"**Data: none.** {md(view.missing, cap=1000)}"
+    some = view.latest is not None
+    return Page(
+        name=view.name, gpu=gpu, kind=view.kind, data_line=data,
+        headline=headline(view) if some else None,
+        environment=environment(view) if some else None,
+        history=history(view) if view.kind == "measured" else None,
+        moe=moe_view(view, out_dir, rel) if some else None,
+        kernels=kernels_view(view, out_dir, rel) if some else None,
+        e2e=e2e_view(view, out_dir, rel) if some else None,
+        comm=comm_view(view) if some else None,
+        comparison=comparison(view) if view.kind == "measured" else None,
+        projection=projection_view(view) if view.kind == "projected" else None,
+        outside=outside_entries(view))
 
 
-def render_index(views: Sequence[HostView]) -> str:
+def index_view(views: Sequence[HostView]) -> IndexView:
     rows = []
     for v in views:
         run = v.latest
@@ -740,13 +1040,35 @@ def render_index(views: Sequence[HostView]) -> str:
         status = v.host.status if v.host else "not in inventory"
         rows.append([f"[{v.name}]({v.name}.md)", gpu, v.host.interconnect if v.host else "-", status, retired,
                      v.kind, f"{md(run.run_id)} ({started})" if run else "-", headline(v)])
-    lines = ["# kdbench fleet", "",
-             "Generated by `kdbench notes` from artifacts/ and hosts/. A projected host has no run of its own; "
-             "its figures are carried from a measured reference and carry a low-high band.", ""]
-    lines += _table(["host", "GPUs", "interconnect", "status", "retired (reason, date)", "data", "last run",
-                     "headline"], rows)
-    lines += backtest_section(views[0].backtest if views else [])
-    return "\n".join(lines).rstrip() + "\n"
+    backtest = views[0].backtest if views else []
+    details = sorted({(r.kind, r.detail) for r in backtest if not r.skipped})
+    return IndexView(Table.of(["host", "GPUs", "interconnect", "status", "retired (reason, date)", "data", "last run",
+                               "headline"], rows),
+                     Table.of(BACKTEST_COLUMNS, backtest_cells(backtest)) if backtest else None,
+                     tuple(f"{md(k)}: {md(d, cap=400)}" for k, d in details))
+
+
+# -- templates ----------------------------------------------------------------------------------
+
+@functools.cache
+def _templates() -> jinja2.Environment:
+    """The page templates shipped in flows/templates/ (layout only: every value is page text already)."""
+    return jinja2.Environment(loader=jinja2.PackageLoader("flows", "templates"), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+
+
+def _render(template: str, **context: object) -> str:
+    text = _templates().get_template(template).render(**context)
+    return re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n"
+
+
+def render_host(view: HostView, docs_dir: Path) -> str:
+    """The page's markdown; its plots are written under docs_dir/<host>/ on the way."""
+    return _render("host.md.j2", page=page_view(view, docs_dir))
+
+
+def render_index(views: Sequence[HostView]) -> str:
+    return _render("index.md.j2", index=index_view(views))
 
 
 # -- writing ------------------------------------------------------------------------------------

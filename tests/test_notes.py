@@ -206,7 +206,8 @@ def _hostile_run(out: Path, host: str, run_id: str) -> Path:
     write_run(out, host=host, run_id=run_id, gpu="GPU-BOX.Lab.Internal")
     _rewrite(out, "runs", lambda r: {**r, "driver": "570|<img src=x onerror=alert(1)>\n| injected |",
                                      "cuda": "1.2.3.4", "torch": "10\u200b.20.30.40",
-                                     "python": "fe80::1ff:fe23:4567:890a", "device": "![x](http://evil.example/p.png)"})
+                                     "python": "fe80::1ff:fe23:4567:890a", "device": "![x](http://evil.example/p.png)",
+                                     "profile": "full|<b>x</b>", "payload_hash": "ab|c\n| d"})
     _rewrite(out, "kernels", lambda r: r if r["kernel"] == "moe_w4a16" else
              {**r, "kernel": r"$\frac{$" + r["kernel"], "impl": r["impl"] + "[a](https://evil.example)"})
     _rewrite(out, "e2e", lambda r: {**r, "config": "k2\n# heading <b>x</b>"})
