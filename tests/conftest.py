@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Sequence
 import pytest
 
 from flows import sandbox as sandbox_mod
-from flows.inventory import Host, load_host
+from flows.inventory import Host, Inventory, load_host, load_inventory
 
 
 @dataclass
@@ -60,3 +60,9 @@ def sandbox_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callab
 def sandbox(sandbox_factory: Callable[..., SandboxHosts]) -> SandboxHosts:
     """One sandbox host named sbx1, up for the duration of the test."""
     return sandbox_factory(count=1)
+
+
+@pytest.fixture(scope="session")
+def inv() -> Inventory:
+    """The repo's own inventory (hosts/ and its spec sheets), read once."""
+    return load_inventory(Path(__file__).resolve().parents[1] / "hosts")

@@ -14,18 +14,13 @@ from typer.testing import CliRunner
 from flows.backtest import (GOAL_IN_BAND, BacktestRow, composition, depth, goal_gap, refresh, size,
                             stored_backtest, tensor_parallel, trend)
 from flows.cli import app
-from flows.inventory import Inventory, load_inventory
+from flows.inventory import Inventory
 from flows.notes import render_notes
 from flows.reference import load_reference
 from flows.store import Store
 from test_projection_synth import write_run
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def inv() -> Inventory:
-    return load_inventory(REPO / "hosts")
 
 
 @pytest.fixture()

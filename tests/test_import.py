@@ -16,7 +16,7 @@ from engine.schema import provenance, read_table
 from flows.backtest import refresh
 from flows.cli import app
 from flows.importer import ImportFileError, import_file
-from flows.inventory import Inventory, load_inventory
+from flows.inventory import Inventory
 from flows.notes import gather, render_notes
 from flows.projection import assumptions, project
 from flows.reference import load_reference, machine_of, measured_datasets
@@ -26,11 +26,6 @@ from test_projection_synth import write_run
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "artifacts" / "reference" / "pro6000-published" / "source.json"
 PROV = {"machine": "1x test GPU", "date": "2026-11-01", "source": "a test", "host": "pro6000"}
-
-
-@pytest.fixture(scope="module")
-def inv() -> Inventory:
-    return load_inventory(REPO / "hosts")
 
 
 def _json(tmp: Path, **doc: object) -> Path:

@@ -10,18 +10,12 @@ import pytest
 from engine.schema import provenance, validate
 from flows.backtest import cross_host
 from flows.families import point_key
-from flows.inventory import Inventory, load_inventory
+from flows.inventory import Inventory
 from flows.projection import Machine, allreduce_us, assumptions, project, project_point
 from flows.reference import load_reference, measured_datasets, project_host
 from flows.store import Store
 from test_projection_synth import write_run
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def inv() -> Inventory:
-    return load_inventory(REPO / "hosts")
 
 
 def _store(tmp: Path, spread: float = 0.03) -> Store:

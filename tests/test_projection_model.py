@@ -10,7 +10,7 @@ import pytest
 
 from engine.schema import read_table, to_table
 from flows.backtest import cross_host, depth, refresh, tensor_parallel
-from flows.inventory import Inventory, load_inventory
+from flows.inventory import Inventory
 from flows.notes import gather, headline, moe_points, render_notes
 from flows.projection import ALLREDUCES_PER_LAYER, Machine, allreduce_us, assumptions, project
 from flows.reference import is_outside, load_reference, machine_of
@@ -18,11 +18,6 @@ from flows.store import Store
 from test_projection_synth import FULL, model_run
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def inv() -> Inventory:
-    return load_inventory(REPO / "hosts")
 
 
 @pytest.fixture()
