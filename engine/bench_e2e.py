@@ -64,7 +64,7 @@ PROFILES: dict[tuple[str, str], E2EProfile] = {
     ("cuda", "full"): E2EProfile("k2", 61, (8, 1), (0.8, 0.85, 0.9), (1, 16), (16,), (256, 512), 48, 4,
                                  depths=(2, 6, 10), depth_point=(8, 0.8, 1, 16)),
     ("cuda", "smoke"): E2EProfile("k2", 4, (1, 8), (0.8,), (1, 4), (16,), (128, 256), 32, 8),
-    ("cpu", "full"): E2EProfile("k2-mini", 3, (1, 2), (0.6, 0.8, 0.9), (1, 4), (16,), (8, 32), 32, 8,
+    ("cpu", "full"): E2EProfile("k2-mini", 3, (1, 2), (0.6, 0.8, 0.9), (1, 4, 16), (16, 64), (8, 32), 32, 8,
                                 depths=(1, 2), depth_point=(1, 0.8, 4, 16)),
     ("cpu", "smoke"): E2EProfile("k2-mini", 3, (1, 2), (0.8,), (1, 4), (16, 64), (8, 32), 24, 0),
 }

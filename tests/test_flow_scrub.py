@@ -29,7 +29,7 @@ def test_probe_mismatches_are_logged_scrubbed(monkeypatch: pytest.MonkeyPatch, l
                       mismatches=["gpu: spec says H200, host has GPU-BOX.lab.internal at 10.9.8.7",
                                   "driver: fe80::1ff:fe23:4567:890a via alice@gw"])
     monkeypatch.setattr(bench_flow, "probe", lambda host, hosts_dir: res)
-    assert bench_flow.probe_host.fn(HOST, Path("."), 0, 0.0) is res
+    assert bench_flow.probe_host.fn(HOST, Path(".")) is res
     text = logged.text
     assert "inventory mismatch on box: gpu: spec says H200, host has [redacted] at [redacted]" in text
     assert not any(s in text for s in SECRETS)
