@@ -48,6 +48,7 @@ PLATEAU = 0.9           # plateau M: first M reaching this fraction of the best 
 SUITES = ("kernels", "e2e", "comm")
 SHARD_TP = 8            # the shard an 8-GPU box runs: its MoE table is expected beside the full shapes
 HASH_CHARS = 12         # of a payload hash in the run history
+METHOD_CHARS = 2000     # of a run's own note on how its e2e figures were made
 GIT_ENV = {"GIT_AUTHOR_NAME": "kdbench", "GIT_AUTHOR_EMAIL": "kdbench@localhost",
            "GIT_COMMITTER_NAME": "kdbench", "GIT_COMMITTER_EMAIL": "kdbench@localhost"}
 
@@ -483,6 +484,7 @@ class AcceptView:
 @dataclass(frozen=True)
 class E2EView:
     source: SourceLine
+    method: str | None  # the e2e suite's own note in that run: how its figures were made
     projected: bool
     levels: str
     table: Table
@@ -767,7 +769,7 @@ def e2e_view(view: HostView, out_dir: Path, rel: str) -> E2EView | None:
     rows = sorted(run.rows("e2e"), key=lambda e: (e["config"], e["layers"] or 0, tp_of(e),
                                                   e["synthetic_accept"] or 0, e["budget"], e["concurrency"]))
     projected = view.kind == "projected"
-    head = ["config", "layers", "tp", "level", "budget", "concurrency", "accepted / step", "tokens/s", "step ms"]
+    head = ["config", "layers", "tp", "level", "budget", "concurrency", "accepted / step", "tokens/s", "step ms (p50)"]
     if projected:
         head.insert(8, "band (tokens/s)")
     table = []
@@ -812,7 +814,8 @@ def e2e_view(view: HostView, out_dir: Path, rel: str) -> E2EView | None:
         top = max(TERMS, key=lambda t: (b[t], t))
         largest = (f"At concurrency {last['concurrency']} the largest term on {view.name} is "
                    f"{top.removesuffix('_ms')} ({100 * b[top] / sum(b.values()):.0f}% of the step).")
-    return E2EView(source_line(src), projected, ", ".join(f"{x:g}" for x in level) or "-", Table.of(head, table),
+    note = None if projected else (run.suite_row("e2e") or {}).get("note")  # a projection's assumptions have their own section
+    return E2EView(source_line(src), md(note, cap=METHOD_CHARS) if note else None, projected, ", ".join(f"{x:g}" for x in level) or "-", Table.of(head, table),
                    accept_view(view, run, out_dir, rel),
                    Table.of(["point"] + [t.removesuffix("_ms") for t in TERMS] + ["step ms"], split),
                    f"{rel}/amdahl.png", busy_table, largest)

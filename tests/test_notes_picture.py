@@ -234,3 +234,14 @@ def test_pages_come_from_the_shipped_templates() -> None:
     for name in names:
         text = files("flows").joinpath("templates", name).read_text()
         assert not re.search(r"\|\s*(format|round|e|escape|safe)\b", text), name
+
+
+def test_the_e2e_section_quotes_how_its_run_made_the_figures(tmp_path: Path, inv: Inventory) -> None:
+    """The e2e suite's own note (synthetic acceptance, modelled comm, caveats) travels with its figures, escaped."""
+    run = write_run(tmp_path / "p1", run_id="full-1")
+    _rewrite(run, "runs", lambda rows: [{**r, "note": "e2e k2: synthetic_accept=0.8 | eager step included <b>"}
+                                        if r["suite"] == "e2e" else r for r in rows])
+    store = Store(str(tmp_path / "art"))
+    store.ingest("h200", "full-1", run)
+    e2e = _section((_render(store, inv, tmp_path / "docs") / "h200.md").read_text(), "End to end")
+    assert r"How the run made them, in its own words: e2e k2: synthetic_accept=0.8 \| eager step included \<b\>" in e2e
