@@ -126,25 +126,35 @@ def write_manifest(out_dir: Path) -> None:
 
 
 def read_table(path: Path) -> pa.Table:
-    """Open and fully check one result file; raises SchemaError naming the file and what is wrong.
-
-    The bytes are read into memory and every record batch is checked to be uncompressed before
-    pyarrow decodes anything (a compressed body says its own unpacked size, so a small file could
-    claim gigabytes); then `validate` checks every offset and the contract."""
+    """Open and fully check one result file; raises SchemaError naming the file and what is wrong."""
     path = Path(path)
     try:
         size = path.stat().st_size
         if size > MAX_FILE_BYTES:
             raise SchemaError(f"{path.name}: {size} bytes, over the {MAX_FILE_BYTES}-byte limit")
         data = path.read_bytes()
-        _refuse_compressed(data, path.name)
+    except OSError as e:
+        raise SchemaError(f"{path.name}: not a readable Arrow IPC file (OSError: {str(e)[:200]})") from None
+    return parse_table(data, path.name)
+
+
+def parse_table(data: bytes, label: str) -> pa.Table:
+    """Fully check one result file's bytes (a local file or a store object); SchemaError names `label`.
+
+    Every record batch is checked to be uncompressed before pyarrow decodes anything (a compressed
+    body says its own unpacked size, so a small file could claim gigabytes); then `validate` checks
+    every offset and the contract."""
+    if len(data) > MAX_FILE_BYTES:
+        raise SchemaError(f"{label}: {len(data)} bytes, over the {MAX_FILE_BYTES}-byte limit")
+    try:
+        _refuse_compressed(data, label)
         table = ipc.open_file(pa.BufferReader(data)).read_all()
     except SchemaError:
         raise
-    except (pa.ArrowException, OSError, ValueError, struct.error) as e:
+    except (pa.ArrowException, ValueError, struct.error) as e:
         why = f"{type(e).__name__}: {str(e)[:200]}"
-        raise SchemaError(f"{path.name}: not a readable Arrow IPC file ({why})") from None
-    return validate(table, path.name)
+        raise SchemaError(f"{label}: not a readable Arrow IPC file ({why})") from None
+    return validate(table, label)
 
 
 class _FlatTable:

@@ -32,12 +32,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
-import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ValidationError
 
 from engine.files import atomic_write_bytes
-from engine.schema import SCHEMAS, TABLES, SchemaError, check_run_tables, read_table, validate
+from engine.schema import (MAX_FILE_BYTES, SCHEMAS, TABLES, SchemaError, check_run_tables, parse_table,
+                           read_table, validate)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 MANIFESTS = "_manifests"
@@ -188,13 +188,8 @@ class Store:
         return _parse_part(rel, data)
 
     def read_arrow(self, rel: str) -> pa.Table:
-        """An Arrow IPC file under the root (reference datasets, layout-1 runs), fully validated."""
-        try:
-            table = ipc.open_file(pa.py_buffer(self.read_bytes(rel))).read_all()
-            table.validate(full=True)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise SchemaError(f"{rel}: not a readable Arrow IPC file ({e})") from None
-        return validate(table, rel)
+        """An Arrow IPC file under the root (reference datasets, layout-1 runs), checked as a pulled file is."""
+        return parse_table(self.read_bytes(rel, MAX_FILE_BYTES), rel)
 
     def _check_old_layout(self) -> None:
         if self.exists(self.full(OLD_INDEX)):

@@ -251,3 +251,15 @@ def test_migrate_moves_an_old_store_and_loses_no_file(tmp_path: Path) -> None:
 
     again = CliRunner().invoke(app, ["store", "migrate", "--artifacts", str(art)])
     assert again.exit_code == 0 and "migrated 0 run(s)" in again.output
+
+
+def test_a_compressed_reference_file_is_refused_like_a_pulled_one(tmp_path: Path) -> None:
+    """Reference datasets go through the same reader as pulled files: no compressed bodies."""
+    import pyarrow.ipc as ipc
+    ref = write_run(tmp_path / "art" / "reference" / "h200")
+    table = read_table(ref / "kernels.arrow")
+    with ipc.new_file(str(ref / "kernels.arrow"), table.schema,
+                      options=ipc.IpcWriteOptions(compression="zstd")) as w:
+        w.write_table(table)
+    with pytest.raises(SchemaError, match="compressed"):
+        Store(str(tmp_path / "art")).reference("h200")
