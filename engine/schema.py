@@ -138,6 +138,15 @@ def read_table(path: Path) -> pa.Table:
     return parse_table(data, path.name)
 
 
+def loads_untrusted(text: str) -> Any:
+    """JSON a host sent, or None where it is not JSON (or nested deep enough to exhaust the stack):
+    callers check the shape they need, so a bad answer costs a message, never a crash."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def parse_table(data: bytes, label: str) -> pa.Table:
     """Fully check one result file's bytes (a local file or a store object); SchemaError names `label`.
 
@@ -276,10 +285,9 @@ def validate(table: pa.Table, label: str) -> pa.Table:
         raise SchemaError(f"{label}: no provenance in the metadata")
     if len(raw) > MAX_PROVENANCE_BYTES:
         raise SchemaError(f"{label}: provenance of {len(raw)} bytes, over {MAX_PROVENANCE_BYTES}")
-    try:
-        prov = json.loads(_text(meta, b"kdbench.provenance", label))
-    except (ValueError, RecursionError):
-        raise SchemaError(f"{label}: provenance is not JSON") from None
+    prov = loads_untrusted(_text(meta, b"kdbench.provenance", label))
+    if prov is None:
+        raise SchemaError(f"{label}: provenance is not JSON")
     if not isinstance(prov, dict) or not isinstance(prov.get("run_id"), str):
         raise SchemaError(f"{label}: provenance is not an object with a run_id")
     if version != SCHEMA_VERSION:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import json
 import logging
 import re
 import tarfile
@@ -31,6 +30,7 @@ from typing import Callable
 
 from pydantic import BaseModel
 
+from engine.schema import loads_untrusted
 from flows.inventory import Host, display_path, host_path
 from flows.settings import REPO
 from flows.ssh import Remote
@@ -252,10 +252,7 @@ def ensure_venv(remote: Remote, host: Host, log: logging.Logger | logging.Logger
         _check(remote.run([host.python, "-m", "venv", "--clear", "--system-site-packages", "--without-pip", "--",
                            venv], timeout_s=600), "create venv")
         answer = _check(remote.run([host.python, "-c", _SITE], timeout_s=SHORT_S), "read host site-packages")
-        try:  # the host's word: a deep, huge or odd answer is refused, never a crash
-            sites = json.loads(answer)
-        except (ValueError, RecursionError):
-            sites = None
+        sites = loads_untrusted(answer)
         if not isinstance(sites, list) or not all(isinstance(s, str) for s in sites):
             raise DeployError("host python reported malformed site-packages")
         _check(remote.run([py, "-c", _PTH, *sites], timeout_s=SHORT_S), "link host site-packages")

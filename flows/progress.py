@@ -8,10 +8,10 @@ are formatted, strings go through flows.scrub.plain (one line, redacted, cut sho
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
+from engine.schema import loads_untrusted
 from flows.scrub import plain
 
 EVENT = "KDBENCH "
@@ -86,10 +86,7 @@ def log_line(suite: str, line: str) -> tuple[str, dict[str, Any] | None]:
     """
     if not line.startswith(EVENT):
         return f"[{suite}] {line}", None
-    try:
-        ev = json.loads(line[len(EVENT):])
-    except (ValueError, RecursionError):  # a host may send JSON nested deep enough to exhaust the stack
-        ev = None
+    ev = loads_untrusted(line[len(EVENT):])
     if not isinstance(ev, dict):
         return f"[{suite}] unreadable progress line ({len(line)} characters)", None
     if ev.get("event") == "done":

@@ -18,7 +18,6 @@ kill first kills the remote process group. SFTP transfers have a size cap and a 
 from __future__ import annotations
 
 import codecs
-import json
 import logging
 import os
 import re
@@ -35,7 +34,7 @@ import invoke
 import paramiko
 from pydantic import BaseModel
 
-from engine.schema import sha256_file
+from engine.schema import loads_untrusted, sha256_file
 from flows.inventory import Host, InventoryError, display_path, fingerprint, load_specs, parse_public_key
 
 Outcome = Literal["ok", "unauthorized", "host_key_changed", "host_key_unknown", "unreachable", "timeout"]
@@ -570,10 +569,7 @@ def _parse_facts(stdout: str) -> dict[str, Any]:
     raw: dict[str, Any] = {}
     for line in stdout.splitlines():
         if line.startswith("KDBENCH_FACTS "):
-            try:
-                raw = json.loads(line.removeprefix("KDBENCH_FACTS "))
-            except (ValueError, RecursionError):
-                raw = {}
+            raw = loads_untrusted(line.removeprefix("KDBENCH_FACTS "))
     if not isinstance(raw, dict):
         raw = {}
 
