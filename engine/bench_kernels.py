@@ -133,7 +133,7 @@ class KernelBench:
         h, i, e, k = c.hidden, c.moe_inter // tp, c.experts, c.top_k
         unique = int(ids.unique().numel())
         nbytes, flops = moe_cost(c, m, unique, x.element_size(), tp)
-        return {"kernel": "moe_w4a16", "impl": resolved_impl(impl, "moe_gemm", self.dev),
+        return {"kernel": "moe_w4a16", "impl": ops.moe_impl(x, w[0], w[2], impl),
                 "dtype": str(self.dtype).removeprefix("torch."), "device": self.dev.type,
                 "M": m, "N": 2 * i, "K": h, "E": e, "top_k": k, "tp": tp, "unique_experts": unique,
                 "expected_experts": expected_experts(e, k, m),

@@ -90,7 +90,7 @@ def check(name: str, runs: list[tuple[Callable[[str], Any], bool]], kb: KernelBe
     try:
         for i, (run, compare) in enumerate(runs):
             kb.reseed()
-            got = run("triton")
+            got = run("auto")  # what the benches will run: the CUDA MoE where it built, else Triton
             if compare:
                 kb.reseed()
                 want = run("torch")
@@ -104,6 +104,19 @@ def check(name: str, runs: list[tuple[Callable[[str], Any], bool]], kb: KernelBe
     ok = worst <= TOL.get(name, 0.0)
     return {"status": "ok" if ok else "mismatch", "rel_err": worst, "worst_shape": worst_at,
             "shapes": len(runs)}
+
+
+def moe_cuda_build(device: torch.device) -> dict[str, Any]:
+    """Which MoE kernel this host runs, and why: the CUDA C++ one needs the host's nvcc."""
+    cuda = ops.triton_module("moe_cuda")
+    reason = "kernels.moe_cuda does not import" if cuda is None else cuda.unavailable_reason(device)
+    if reason is None:
+        from kernels import cuda_build
+        nvcc = cuda_build.nvcc_path()
+        print(f"moe_w4a16: CUDA kernel built for {cuda_build.arch_of(device)} by nvcc {cuda_build.nvcc_version(nvcc)}")
+        return {"impl": "cuda", "nvcc": cuda_build.nvcc_version(nvcc), "cuda_arch": cuda_build.arch_of(device)}
+    print(f"moe_w4a16: CUDA kernel unavailable ({reason}); the Triton kernel runs")
+    return {"impl": "triton", "cuda_unavailable": reason[:300]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     started = now_iso()
     device = torch.device("cuda", 0) if f["device"] == "cuda" else torch.device("cpu")
     kb = KernelBench(bench_kernels.PROFILES[(device.type, "full")], device)
+    moe_build = moe_cuda_build(device) if device.type == "cuda" else {}
     kernels = {name: check(name, runs, kb) for name, runs in cases(kb, device).items()}
+    kernels["moe_w4a16"].update(moe_build)
     body = {"arch_asked": a.arch, "device_found": {k: f[k] for k in ("device", "arch_found", "gpu_name", "gpu_count")},
             "versions": {k: f[k] for k in ("torch", "triton", "cuda", "driver", "python")},
             "started_at": started, "ended_at": now_iso(), "kernels": kernels}

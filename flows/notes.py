@@ -36,7 +36,7 @@ from engine.config import CONFIGS
 from engine.schema import provenance
 from flows import plots
 from flows.backtest import BacktestRow, goal_gap, stored_backtest
-from flows.families import e2e_key, family, host_side, label, point_key, regime, tp_of
+from flows.families import e2e_key, family, host_side, label, point_key, preferred, regime, tp_of
 from flows.inventory import Host, Inventory, InventoryError, Spec, host_status_text
 from flows.projection import TERMS, breakdown
 from flows.reference import is_outside
@@ -282,11 +282,15 @@ def ceilings_of(run: Run, spec: Spec | None) -> tuple[float | None, float | None
 
 
 def moe_points(run: Run, tp: int = 1) -> list[dict[str, Any]]:
-    """MoE W4A16 points at one TP degree's shapes (1: full shapes) of the run's preferred
-    implementation (Triton where it ran), by M. Full and shard rows are never mixed."""
+    """MoE W4A16 points at one TP degree's shapes (1: full shapes) of the kernel the engine runs
+    at each M (CUDA or Triton: `preferred`), by M. Full and shard rows are never mixed."""
     pts = [k for k in run.rows("kernels") if family(k["kernel"]) == "moe_w4a16" and k["M"] and tp_of(k) == tp]
-    impls = sorted({k["impl"] for k in pts}, key=lambda i: (i != "triton", i))
-    return sorted((k for k in pts if impls and k["impl"] == impls[0]), key=lambda k: k["M"])
+    return sorted(preferred(pts), key=lambda k: k["M"])
+
+
+def impls_of(pts: list[dict[str, Any]]) -> str:
+    """The implementations of some points, in order of first appearance: "cuda, triton"."""
+    return ", ".join(dict.fromkeys(k["impl"] for k in pts))
 
 
 def moe_degrees(run: Run) -> list[int]:
@@ -623,25 +627,26 @@ def moe_table(view: HostView, run: Run, pts: list[dict[str, Any]], tp: int) -> M
     copy, _ = ceilings_of(run, view.spec)
     spec_bw = view.spec.mem_bw_gbps if view.spec else None
     projected = view.kind == "projected"
-    head = ["M", "us", "us/token", "MB moved", "GB/s", "% of copy BW", "% of spec BW", "unique experts (expected)"]
+    head = ["M", "impl", "us", "us/token", "MB moved", "GB/s", "% of copy BW", "% of spec BW",
+            "unique experts (expected)"]
     if projected:
-        head[1:2] = ["us", "band (us)", "regime (ref)"]
+        head[2:3] = ["us", "band (us)", "regime (ref)"]
     rows = []
     for k in pts:
         t = k["time_us_p50"]
         gb = k["bytes"] / (t * 1e3)
-        row = [str(k["M"]), fmt(t), fmt(t / k["M"], 2), fmt(k["bytes"] / 1e6), sig(gb),
+        row = [str(k["M"]), md(k["impl"]), fmt(t), fmt(t / k["M"], 2), fmt(k["bytes"] / 1e6), sig(gb),
                fmt(100 * gb / copy if copy else None), fmt(100 * gb / spec_bw if spec_bw else None),
                f"{k['unique_experts'] if k['unique_experts'] is not None else '-'} ({fmt(k['expected_experts'])})"]
         if projected:
-            row[1:2] = [fmt(t), f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}",
+            row[2:3] = [fmt(t), f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}",
                         f"{md(k['regime'])} ({md(k['reference_regime'])})"]
         rows.append(row)
     p = pts[0]
     inter = f", expert intermediate {p['N'] // 2} (gate_up N = {p['N']}, down K = {p['N'] // 2})" if p["N"] else ""
     title = "Full shapes" if tp == 1 else f"TP-{tp} shard shapes (one rank of a TP-{tp} deployment)"
     shape = f"E={p['E']} routed experts, top-{p['top_k']}, H={p['K']}{inter}"
-    return MoeTable(title, shape, md(p["impl"]), plateau_m(pts), Table.of(head, rows))
+    return MoeTable(title, shape, md(impls_of(pts)), plateau_m(pts), Table.of(head, rows))
 
 
 def _shape_label(tp: int) -> str:
@@ -663,7 +668,7 @@ def moe_view(view: HostView, out_dir: Path, rel: str) -> MoeView:
         pts = moe_points(run, tp)
         tables.append(moe_table(view, run, pts, tp))
         ms = [k["M"] for k in pts]
-        per_token.append((f"{_shape_label(tp)} ({pts[0]['impl']})", ms, [k["time_us_p50"] / k["M"] for k in pts],
+        per_token.append((f"{_shape_label(tp)} ({impls_of(pts)})", ms, [k["time_us_p50"] / k["M"] for k in pts],
                           ([k["time_us_low"] / k["M"] for k in pts], [k["time_us_high"] / k["M"] for k in pts])
                           if projected else None))
         pct += [(f"{_shape_label(tp)}, % of {label} BW ({sig(bw)} GB/s)", ms,

@@ -1,7 +1,8 @@
 """The one entry point the engine calls: dispatch each op to its Triton kernel or its reference.
 
-impl="auto" runs Triton when the inputs live on a CUDA device and the kernel's module imports,
-the PyTorch reference otherwise; "triton" and "torch" force one side (tests use "triton" under
+impl="auto" runs the fastest kernel this host has for the inputs: on a CUDA device the MoE's CUDA C++
+kernel where nvcc built it (kernels/moe_cuda.py), else Triton where the kernel's module imports;
+the PyTorch reference otherwise. "cuda", "triton" and "torch" force one (tests use "triton" under
 TRITON_INTERPRET=1 on the CPU).
 """
 
@@ -17,14 +18,15 @@ from torch import Tensor
 from kernels import reference
 from kernels.reference import Tree
 
-Impl = Literal["auto", "triton", "torch"]
+Impl = Literal["auto", "cuda", "triton", "torch"]
 
-__all__ = ["Tree", "Impl", "moe_w4a16", "mla_tree_attention", "build_tree", "tree_accept", "triton_module"]
+__all__ = ["Tree", "Impl", "moe_impl", "moe_w4a16", "mla_tree_attention", "build_tree", "tree_accept", "triton_module"]
 
 
 @cache
 def triton_module(name: str) -> ModuleType | None:
-    """kernels.<name> if it imports here (Triton present and the module written), else None."""
+    """kernels.<name> if it imports here (Triton present and the module written), else None; the
+    CUDA C++ MoE's module too (it needs Triton for its combining kernels)."""
     try:
         return importlib.import_module(f"kernels.{name}")
     except ImportError:
@@ -34,7 +36,7 @@ def triton_module(name: str) -> ModuleType | None:
 def _pick(impl: Impl, module: str, like: Tensor) -> ModuleType | None:
     """The Triton module to run, or None for the reference."""
     if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"impl must be auto, triton or torch, got {impl!r}")
+        raise ValueError(f"impl must be auto, triton or torch here, got {impl!r}")
     if impl == "torch":
         return None
     mod = triton_module(module)
@@ -45,11 +47,23 @@ def _pick(impl: Impl, module: str, like: Tensor) -> ModuleType | None:
     return mod if (like.is_cuda and mod is not None) else None
 
 
+def moe_impl(x: Tensor, w13_q: Tensor, w2_q: Tensor, impl: Impl = "auto") -> str:
+    """The MoE kernel `impl` runs on these inputs: "cuda", "triton" or "torch" (the impl column)."""
+    if impl == "cuda":
+        return impl
+    if impl == "auto" and x.is_cuda:
+        cuda = triton_module("moe_cuda")
+        if cuda is not None and cuda.unavailable_reason(x.device) is None and cuda.supports(x, w13_q, w2_q):
+            return "cuda"
+    return "triton" if _pick(impl, "moe_gemm", x) else "torch"
+
+
 def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor,
               topk_ids: Tensor, topk_weights: Tensor, impl: Impl = "auto") -> Tensor:
     """Routed-expert MoE with K2 INT4 weights: [M, H] -> [M, H] in x's dtype."""
-    mod = _pick(impl, "moe_gemm", x)
-    fn = mod.moe_w4a16 if mod else reference.moe_w4a16
+    which = moe_impl(x, w13_q, w2_q, impl)
+    fn = reference.moe_w4a16 if which == "torch" else triton_module(
+        "moe_cuda" if which == "cuda" else "moe_gemm").moe_w4a16
     return fn(x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights)
 
 

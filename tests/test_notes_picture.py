@@ -150,10 +150,11 @@ def test_the_moe_section_shows_full_and_tp8_shard_shapes_in_two_tables(tmp_path:
     for rows, tp in ((full, 1), (shard, 8)):
         want = sorted((k for k in kern if k["tp"] == tp), key=lambda k: k["M"])
         assert [r[0] for r in rows] == [str(k["M"]) for k in want]             # one row per M: never mixed
-        assert [r[1] for r in rows] == [f"{k['time_us_p50']:,.1f}" for k in want]
-        assert [r[3] for r in rows] == [f"{k['bytes'] / 1e6:,.1f}" for k in want]
-        assert [r[5] for r in rows] == [f"{100 * k['bytes'] / (k['time_us_p50'] * 1e3) / 4300.0:,.1f}" for k in want]
-        assert [r[7] for r in rows] == [f"{k['unique_experts']} ({k['expected_experts']:,.1f})" for k in want]
+        assert [r[1] for r in rows] == [k["impl"] for k in want]
+        assert [r[2] for r in rows] == [f"{k['time_us_p50']:,.1f}" for k in want]
+        assert [r[4] for r in rows] == [f"{k['bytes'] / 1e6:,.1f}" for k in want]
+        assert [r[6] for r in rows] == [f"{100 * k['bytes'] / (k['time_us_p50'] * 1e3) / 4300.0:,.1f}" for k in want]
+        assert [r[8] for r in rows] == [f"{k['unique_experts']} ({k['expected_experts']:,.1f})" for k in want]
     moe = _section(page, "MoE W4A16 GEMM")
     assert "expert intermediate 256 (gate_up N = 512, down K = 256)" in moe
     assert "expert intermediate 2048 (gate_up N = 4096, down K = 2048)" in moe
@@ -245,3 +246,24 @@ def test_the_e2e_section_quotes_how_its_run_made_the_figures(tmp_path: Path, inv
     store.ingest("h200", "full-1", run)
     e2e = _section((_render(store, inv, tmp_path / "docs") / "h200.md").read_text(), "End to end")
     assert r"How the run made them, in its own words: e2e k2: synthetic_accept=0.8 \| eager step included \<b\>" in e2e
+
+
+def test_the_moe_table_shows_the_kernel_that_runs_at_each_m(tmp_path: Path, inv: Inventory) -> None:
+    """The engine picks CUDA or Triton per M: each row names its own; a torch baseline at the same M never shows."""
+    ref = model_run(tmp_path / "ref")
+    table = read_table(ref / "kernels.arrow")
+    rows = table.to_pylist()
+    moe = [k for k in rows if k["kernel"] == "moe_w4a16" and k["tp"] == 1]
+    cuda_m = sorted({k["M"] for k in moe})[1:3]
+    for k in moe:
+        if k["M"] in cuda_m:
+            k["impl"] = "cuda"
+    rows += [dict(k, impl="torch", time_us_p50=k["time_us_p50"] * 50) for k in moe if k["M"] == cuda_m[0]]
+    write_table(ref, to_table("kernels", rows, provenance(table)))
+    store = Store(str(tmp_path / "art"))
+    store.ingest("h200", "h200-model-1", ref)
+    page = (_render(store, inv, tmp_path / "docs") / "h200.md").read_text()
+    full, _ = _shard_rows(page)
+    assert [r[0] for r in full] == [str(m) for m in sorted({k["M"] for k in moe})]
+    assert [r[1] for r in full] == ["cuda" if int(r[0]) in cuda_m else "triton" for r in full]
+    assert "triton, cuda" in _section(page, "MoE W4A16 GEMM")

@@ -1,0 +1,165 @@
+"""Build CUDA C++ kernels with the host's own nvcc for the GPU's own arch, and launch them.
+
+Why not a torch extension: that needs a host C++ toolchain and Python headers and takes a minute
+to compile; a cubin needs only nvcc (seconds) and the driver, which every GPU host has. The cubin
+is cached by the hash of (source, nvcc version, arch, flags), like Triton's cache, so
+`engine.build` compiles once and the benches load it. Launches go through the driver API on
+torch's current stream, so they are captured by CUDA graphs like any other kernel.
+
+A host without nvcc (or with one that fails) gets `CudaUnavailable` with the reason; the callers
+then run the Triton kernel and say so (build.json, the impl column).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17")
+NVCC_TIMEOUT_S = 600
+DEFAULT_NVCC = Path("/usr/local/cuda/bin/nvcc")
+_MAX_DYNAMIC_SMEM = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+class CudaUnavailable(RuntimeError):
+    """This host cannot build or load the CUDA kernels; the message says why."""
+
+
+def nvcc_path() -> str:
+    """nvcc from $CUDA_HOME/bin, then PATH, then /usr/local/cuda/bin (where SSH sessions often lack it on PATH)."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    for found in (home and Path(home) / "bin" / "nvcc", shutil.which("nvcc"), DEFAULT_NVCC):
+        if found and Path(found).is_file():
+            return str(found)
+    raise CudaUnavailable("nvcc not found (looked in $CUDA_HOME/bin, PATH, /usr/local/cuda/bin); "
+                          "set CUDA_HOME to the CUDA toolkit")
+
+
+@cache
+def nvcc_version(nvcc: str) -> str:
+    """nvcc's release line, e.g. 'release 13.0, V13.0.88'."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise CudaUnavailable(f"nvcc --version failed: {type(e).__name__}") from None
+    line = next((ln for ln in out.splitlines() if "release" in ln), "")
+    return line.split(",", 1)[-1].strip()[:80] or "unknown"
+
+
+def arch_of(device: torch.device) -> str:
+    """'sm_90' for an H200, 'sm_120' for an RTX PRO 6000, ...: the cubin's target."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KDBENCH_CUDA_CACHE") or Path.home() / ".cache" / "kdbench" / "cuda")
+
+
+def compile_cubin(source: Path, arch: str) -> Path:
+    """The cached cubin of `source` for `arch`, compiled now if missing (atomic: tmp file, then rename)."""
+    nvcc = nvcc_path()
+    version = nvcc_version(nvcc)
+    num = arch.removeprefix("sm_")
+    flags = (*NVCC_FLAGS, f"-gencode=arch=compute_{num},code=sm_{num}")
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(), " ".join(flags).encode()])).hexdigest()
+    out = cache_dir() / f"{source.stem}-{arch}-{key[:16]}.cubin"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        res = subprocess.run([nvcc, *flags, "-o", str(tmp), str(source)], capture_output=True, text=True,
+                             timeout=NVCC_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise CudaUnavailable(f"nvcc took over {NVCC_TIMEOUT_S} s on {source.name}") from None
+    if res.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        tail = " | ".join((res.stderr or res.stdout).replace(str(source.parent), "kernels").replace(
+            str(tmp), "out.cubin").strip().splitlines()[-4:])[:600]  # no host paths in the message
+        raise CudaUnavailable(f"nvcc failed on {source.name} for {arch} (exit {res.returncode}): {tail}")
+    os.replace(tmp, out)
+    return out
+
+
+@cache
+def _driver() -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise CudaUnavailable(f"the CUDA driver library does not load: {e}") from None
+    _check(lib, lib.cuInit(0), "cuInit")
+    return lib
+
+
+def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
+    if rc != 0:
+        msg = ctypes.c_char_p()
+        lib.cuGetErrorString(rc, ctypes.byref(msg))
+        raise RuntimeError(f"{what} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
+
+
+class Kernel:
+    """One __global__ function of a loaded module; call with (grid, block, smem, args)."""
+
+    def __init__(self, lib: ctypes.CDLL, fn: ctypes.c_void_p, name: str) -> None:
+        self.lib, self.fn, self.name, self._smem = lib, fn, name, 0
+
+    def __call__(self, grid: Sequence[int], block: int, smem: int, args: Sequence[object]) -> None:
+        if smem > self._smem:  # above 48 KB a kernel must opt in to more dynamic shared memory
+            _check(self.lib, self.lib.cuFuncSetAttribute(self.fn, _MAX_DYNAMIC_SMEM, ctypes.c_int(smem)),
+                   f"{self.name}: cuFuncSetAttribute({smem} bytes)")
+            self._smem = smem
+        cargs = [a if isinstance(a, ctypes._SimpleCData) else _arg(a) for a in args]
+        params = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(a) for a in cargs])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        gx, gy, gz = (*grid, 1, 1)[:3]
+        _check(self.lib, self.lib.cuLaunchKernel(self.fn, gx, gy, gz, block, 1, 1, smem, stream, params, None),
+               f"launch {self.name}")
+
+
+def _arg(a: object) -> ctypes._SimpleCData:
+    if isinstance(a, torch.Tensor):
+        return ctypes.c_void_p(a.data_ptr())
+    if isinstance(a, bool) or isinstance(a, int):
+        return ctypes.c_int(int(a))
+    raise TypeError(f"kernel argument of type {type(a).__name__}")
+
+
+class Module:
+    """A cubin loaded into the current device's primary context."""
+
+    def __init__(self, cubin: Path, device: torch.device) -> None:
+        lib = _driver()
+        torch.cuda.init()
+        with torch.cuda.device(device):
+            torch.empty(1, device=device)  # torch makes the primary context current on this thread
+            self.lib, self.image = lib, cubin.read_bytes()  # the driver reads the image at load time
+            self.handle = ctypes.c_void_p()
+            _check(lib, lib.cuModuleLoadData(ctypes.byref(self.handle), self.image), f"load {cubin.name}")
+        self.cubin, self._kernels = cubin, {}
+
+    def kernel(self, name: str) -> Kernel:
+        if name not in self._kernels:
+            fn = ctypes.c_void_p()
+            _check(self.lib, self.lib.cuModuleGetFunction(ctypes.byref(fn), self.handle, name.encode()),
+                   f"{self.cubin.name}: function {name}")
+            self._kernels[name] = Kernel(self.lib, fn, name)
+        return self._kernels[name]
+
+
+@cache
+def module(source_name: str, device: torch.device) -> Module:
+    """kernels/<source_name> built (or taken from the cache) for `device`'s arch and loaded."""
+    if device.type != "cuda":
+        raise CudaUnavailable(f"{source_name} needs a CUDA device, not {device.type}")
+    return Module(compile_cubin(HERE / source_name, arch_of(device)), device)

@@ -1,0 +1,110 @@
+"""The CUDA C++ MoE's host side: finding nvcc, building and caching the cubin, the config table.
+
+The kernel itself runs only on a GPU (kernels/gpu_check.py and engine.build check it there against
+the reference); here: what a host without nvcc, or with a broken one, is told, and that the table
+only names kernels the source instantiates, at shapes they tile.
+"""
+
+from __future__ import annotations
+
+import re
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cuda_build, moe_cuda, ops
+
+SOURCE = cuda_build.HERE / moe_cuda.SOURCE
+SHAPES = {"full": (2048, 7168), "shard": (256, 7168)}  # K2 and one TP-8 rank: (intermediate, hidden)
+
+
+@pytest.fixture
+def no_nvcc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(cuda_build, "DEFAULT_NVCC", tmp_path / "none" / "nvcc")
+    monkeypatch.setenv("KDBENCH_CUDA_CACHE", str(tmp_path / "cache"))
+
+
+def fake_nvcc(home: Path, script: str) -> None:
+    (home / "bin").mkdir(parents=True)
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\n" + script)
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IXUSR)
+
+
+def test_missing_nvcc_is_a_clear_message(no_nvcc: None) -> None:
+    with pytest.raises(cuda_build.CudaUnavailable, match=r"nvcc not found .*CUDA_HOME"):
+        cuda_build.compile_cubin(SOURCE, "sm_90")
+
+
+def test_failing_nvcc_names_the_source_without_host_paths(no_nvcc: None, monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Path) -> None:
+    home = tmp_path / "toolkit"
+    fake_nvcc(home, 'case "$1" in --version) echo "Cuda compilation tools, release 99.1, V99.1.0";;\n'
+                    f'*) echo "{SOURCE}(12): error: no such arch" >&2; exit 3;; esac\n')
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    cuda_build.nvcc_version.cache_clear()
+    with pytest.raises(cuda_build.CudaUnavailable) as err:
+        cuda_build.compile_cubin(SOURCE, "sm_90")
+    msg = str(err.value)
+    assert "moe_w4a16.cu" in msg and "exit 3" in msg and "no such arch" in msg
+    assert str(SOURCE.parent) not in msg and str(tmp_path) not in msg
+    assert not list((tmp_path / "cache").glob("*")), "a failed build leaves nothing in the cache"
+
+
+def test_cubin_is_cached_by_content(no_nvcc: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    home = tmp_path / "toolkit"
+    log = tmp_path / "calls"
+    fake_nvcc(home, 'case "$1" in --version) echo "release 99.1, V99.1.0";;\n'
+                    f'*) echo run >> {log}; while [ "$1" != "-o" ]; do shift; done; echo cubin > "$2";; esac\n')
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    cuda_build.nvcc_version.cache_clear()
+    first = cuda_build.compile_cubin(SOURCE, "sm_90")
+    again = cuda_build.compile_cubin(SOURCE, "sm_90")
+    other = cuda_build.compile_cubin(SOURCE, "sm_120")
+    assert first == again != other and first.read_text() == "cubin\n"
+    assert log.read_text().count("run") == 2, "the second sm_90 build came from the cache"
+    src = tmp_path / "moe_w4a16.cu"
+    src.write_text(SOURCE.read_text() + "\n// changed\n")
+    assert cuda_build.compile_cubin(src, "sm_90") != first, "changed source, new cubin"
+
+
+def test_config_table_names_instantiated_kernels_that_tile_k2() -> None:
+    made = {tuple(int(v) for v in m.groups())
+            for m in re.finditer(r"^MOE_KERNEL\((\d+), (\d+), (\d+), (\d+)\)", SOURCE.read_text(), re.M)}
+    assert made == moe_cuda.KERNELS
+    for cls, table in moe_cuda.CUDA_CONFIGS.items():
+        inter, hidden = SHAPES[cls]
+        for bucket, cfg in table.items():
+            if cfg is None:
+                continue
+            assert moe_cuda.fits(cfg["gate_up"], 2 * inter, hidden), (cls, bucket)
+            assert moe_cuda.fits(cfg["down"], hidden, inter), (cls, bucket)
+            assert all(moe_cuda.smem_bytes(c) <= 227 * 1024 for c in cfg.values()), (cls, bucket)
+    assert moe_cuda.cuda_config(1, 2048) is None and moe_cuda.cuda_config(16, 2048) is not None
+    assert moe_cuda.cuda_config(4096, 256) is None  # above the last bucket: the last one's answer
+
+
+def test_ops_names_the_impl_that_runs() -> None:
+    x = torch.zeros(4, 64)
+    w13, w2 = torch.zeros(8, 32, 8, dtype=torch.int32), torch.zeros(8, 64, 2, dtype=torch.int32)
+    assert ops.moe_impl(x, w13, w2) == "torch"  # CPU tensors: the reference
+    assert ops.moe_impl(x, w13, w2, "cuda") == "cuda"
+    assert moe_cuda.unavailable_reason(torch.device("cpu")) == "not a CUDA device (cpu)"
+    assert not moe_cuda.supports(x, w13, w2)
+
+
+def test_real_nvcc_builds_every_listed_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    try:
+        cuda_build.nvcc_path()
+    except cuda_build.CudaUnavailable:
+        pytest.skip("no nvcc on this machine")
+    monkeypatch.setenv("KDBENCH_CUDA_CACHE", str(tmp_path))
+    image = cuda_build.compile_cubin(SOURCE, "sm_90").read_bytes()
+    for cfg in moe_cuda.KERNELS:
+        assert moe_cuda.kernel_name((*cfg, 256)).encode() in image
+    assert b"moe_align" in image
