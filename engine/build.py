@@ -112,9 +112,9 @@ def moe_cuda_build(device: torch.device) -> dict[str, Any]:
     reason = "kernels.moe_cuda does not import" if cuda is None else cuda.unavailable_reason(device)
     if reason is None:
         from kernels import cuda_build
-        nvcc = cuda_build.nvcc_path()
-        print(f"moe_w4a16: CUDA kernel built for {cuda_build.arch_of(device)} by nvcc {cuda_build.nvcc_version(nvcc)}")
-        return {"impl": "cuda", "nvcc": cuda_build.nvcc_version(nvcc), "cuda_arch": cuda_build.arch_of(device)}
+        nvcc, arch = cuda_build.nvcc_version(cuda_build.nvcc_path()), cuda_build.arch_of(device)
+        print(f"moe_w4a16: CUDA kernel built for {arch} by nvcc {nvcc}")
+        return {"impl": "cuda", "nvcc": nvcc, "cuda_arch": arch}
     print(f"moe_w4a16: CUDA kernel unavailable ({reason}); the Triton kernel runs")
     return {"impl": "triton", "cuda_unavailable": reason[:300]}
 

@@ -130,7 +130,7 @@ class Kernel:
 def _arg(a: object) -> ctypes._SimpleCData:
     if isinstance(a, torch.Tensor):
         return ctypes.c_void_p(a.data_ptr())
-    if isinstance(a, bool) or isinstance(a, int):
+    if isinstance(a, int):  # bool included
         return ctypes.c_int(int(a))
     raise TypeError(f"kernel argument of type {type(a).__name__}")
 
@@ -143,9 +143,8 @@ class Module:
         torch.cuda.init()
         with torch.cuda.device(device):
             torch.empty(1, device=device)  # torch makes the primary context current on this thread
-            self.lib, self.image = lib, cubin.read_bytes()  # the driver reads the image at load time
-            self.handle = ctypes.c_void_p()
-            _check(lib, lib.cuModuleLoadData(ctypes.byref(self.handle), self.image), f"load {cubin.name}")
+            self.lib, self.handle = lib, ctypes.c_void_p()  # the driver copies the image at load time
+            _check(lib, lib.cuModuleLoadData(ctypes.byref(self.handle), cubin.read_bytes()), f"load {cubin.name}")
         self.cubin, self._kernels = cubin, {}
 
     def kernel(self, name: str) -> Kernel:

@@ -91,7 +91,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     """None when the CUDA kernel runs on `device`; else why not (no nvcc, build failed, not CUDA)."""
     if device.type != "cuda":
         return f"not a CUDA device ({device.type})"
-    return _unavailable(device.index if device.index is not None else torch.cuda.current_device())
+    return _unavailable(_cuda(device).index)
 
 
 def supports(x: Tensor, w13_q: Tensor, w2_q: Tensor, configs: dict[str, CudaConfig] | None = None) -> bool:
@@ -104,9 +104,13 @@ def supports(x: Tensor, w13_q: Tensor, w2_q: Tensor, configs: dict[str, CudaConf
             and fits(cfg["gate_up"], two_i, h) and fits(cfg["down"], h, two_i // 2))
 
 
+def _cuda(device: torch.device) -> torch.device:
+    """cuda:N with N spelled out, so "cuda" and "cuda:0" share one loaded module."""
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _module(device: torch.device) -> cuda_build.Module:
-    return cuda_build.module(SOURCE, torch.device("cuda", device.index if device.index is not None
-                                                  else torch.cuda.current_device()))
+    return cuda_build.module(SOURCE, _cuda(device))
 
 
 def align(ids: Tensor, experts: int, bm: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
@@ -145,7 +149,7 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
     topk = topk_ids.shape[1]
     s = m * topk
     cfg = configs or cuda_config(m, inter)
-    if cfg is None or not supports(x, w13_q, w2_q, cfg):
+    if not supports(x, w13_q, w2_q, cfg):
         raise ValueError(f"moe_cuda: unsupported input (dtype {x.dtype}, H {h}, I {inter}, E {e}, config {cfg})")
     x = x.contiguous()
     ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
