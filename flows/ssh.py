@@ -311,8 +311,14 @@ class _BoundedRunner(fabric.runners.Remote):
     read_chunk_size = 65536
 
     def run(self, command: str, *, captures: tuple[_Capture, _Capture], **kwargs: Any) -> Any:
-        self._captures = captures
+        self._captures, self._killed = captures, False
         return super().run(command, **kwargs)
+
+    @property
+    def timed_out(self) -> bool:
+        """invoke asks whether its timer thread has ended; that thread runs `kill`, whose closing of
+        the channel lets the command return while it may still be running: the kill is the answer."""
+        return self._killed or super().timed_out
 
     def _pump(self, read: Callable[[int], bytes], capture: _Capture) -> None:
         while data := read(self.read_chunk_size):
@@ -328,6 +334,7 @@ class _BoundedRunner(fabric.runners.Remote):
     def kill(self) -> None:
         """invoke's timer calls this at the local deadline: kill the remote process group (which
         timeout(1) should have done already), then close the channel."""
+        self._killed = True
         pgid = self._captures[1].pgid
         if pgid is not None:
             try:

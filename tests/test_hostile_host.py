@@ -81,6 +81,25 @@ def test_endless_output_is_stopped_at_the_local_deadline_and_its_group_killed(
     assert not _alive(child), "the silent child of the killed command survived"
 
 
+def test_the_deadline_counts_as_a_timeout_while_the_kill_is_still_finishing(
+        sandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kill runs on invoke's timer thread and closes the channel, which lets the command return
+    at once; a kill still busy after that (a slow `kill -KILL` session, a slow close) must not turn
+    the deadline into rc -1 with timed_out False."""
+    monkeypatch.setattr(ssh, "_LOCAL_GRACE_S", -ssh.KILL_AFTER_S - 58)
+    kill = ssh._BoundedRunner.kill
+
+    def lingering_kill(self: ssh._BoundedRunner) -> None:
+        kill(self)
+        time.sleep(1.0)
+
+    monkeypatch.setattr(ssh._BoundedRunner, "kill", lingering_kill)
+    host = sandbox.host()
+    with Remote(host, sandbox.hosts_dir) as r:
+        res = r.run([host.python, str(_script(tmp_path)), "endless", str(tmp_path / "child.pid")], timeout_s=60)
+    assert res.timed_out and res.rc == -1
+
+
 def test_output_kept_is_bounded_to_the_tail(sandbox, tmp_path: Path) -> None:
     host = sandbox.host()
     size = 3 * ssh.MAX_KEPT
