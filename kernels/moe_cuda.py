@@ -1,13 +1,14 @@
 """W4A16 MoE on mma.sync tensor cores in CUDA C++ (kernels/moe_w4a16.cu), built by the host's nvcc.
 
-The same four passes as kernels/moe_gemm.py's grouped path, with two of them in CUDA: the block
-table (moe_align: slots grouped by expert, one launch instead of torch's sort and scans), then per
+The passes of kernels/moe_gemm.py's grouped path, the block table and both projections in CUDA:
+moe_align (slots grouped by expert, one launch instead of torch's sort and scans), then per
 projection one CUDA pass writing fp32 partials per K split, combined in a fixed order by
 moe_gemm's Triton kernels (SiLU x up after gate_up; the routing-weighted sum over splits and
 top-k after down). Weights stay in K2's own layout (kernels/int4.py): nothing is repacked.
 
-`available(device)` says whether this host can run it (nvcc present and the cubin builds); ops
-falls back to the Triton kernel otherwise, and engine.build records which one ran.
+`unavailable_reason(device)` says why this host cannot run it (no nvcc, the cubin does not build),
+None when it can; `supports` says whether the inputs' M bucket is one it serves. ops runs the Triton
+kernel otherwise, and engine.build records which one runs.
 """
 
 from __future__ import annotations
