@@ -128,6 +128,8 @@ class Kernel:
 
 
 def _arg(a: object) -> ctypes._SimpleCData:
+    if a is None:  # a pointer argument the kernel is told to leave alone
+        return ctypes.c_void_p(None)
     if isinstance(a, torch.Tensor):
         return ctypes.c_void_p(a.data_ptr())
     if isinstance(a, int):  # bool included

@@ -2,9 +2,11 @@
 
 The passes of kernels/moe_gemm.py's grouped path, the block table and both projections in CUDA:
 moe_align (slots grouped by expert, one launch instead of torch's sort and scans), then per
-projection one CUDA pass writing fp32 partials per K split, combined in a fixed order by
-moe_gemm's Triton kernels (SiLU x up after gate_up; the routing-weighted sum over splits and
-top-k after down). Weights stay in K2's own layout (kernels/int4.py): nothing is repacked.
+projection one GEMM pass writing fp32 partials per K split, on activations permuted to the
+dequant's pairs and their group sums (prepared by the align launch for gate_up, by moe_silu_prep,
+which also applies SiLU x up, for down); moe_gemm's Triton kernel sums the down partials over the
+splits and top-k in a fixed order. Weights stay in K2's own layout (kernels/int4.py): nothing is
+repacked.
 
 `unavailable_reason(device)` says why this host cannot run it (no nvcc, the cubin does not build),
 None when it can; `supports` says whether the inputs' M bucket is one it serves. ops runs the Triton
@@ -20,35 +22,40 @@ import triton
 from torch import Tensor
 
 from kernels import cuda_build
-from kernels.moe_gemm import _silu_mul, _sum_slots, shape_class
+from kernels.moe_gemm import _sum_slots, shape_class
 
 SOURCE = "moe_w4a16.cu"
 STEP = 256  # K per pipeline step (the kernel's STEP)
 AROW = 512 + 64  # bytes per token row of a stage's activations (the kernel's AROW)
+XREC = 32  # bytes of one token's group sums a step (the kernel's XREC)
 MAX_EXPERTS = 1024  # moe_align's one-CTA table
 
-# (NT, WARPS, R, STAGES, KS): 8 * NT slots per block, WARPS warps of R strips of 16 rows, a
-# STAGES-deep cp.async ring, KS of K per CTA (K / KS splits). Every tuple names a kernel that
-# moe_w4a16.cu instantiates (KERNELS).
-CudaConfig = tuple[int, int, int, int, int]
-KERNELS = {(1, 4, 1, 4), (1, 4, 2, 4), (1, 8, 1, 4), (1, 8, 2, 4), (2, 4, 1, 4), (2, 4, 2, 4), (2, 8, 1, 4),
-           (2, 8, 2, 4), (2, 4, 4, 4), (4, 4, 2, 4), (4, 8, 1, 4), (4, 8, 2, 3), (4, 4, 4, 3)}
+# (NT, WARPS, R, STAGES, H, SPAN, KS): 8 * NT slots per block, WARPS warps of R strips of 16
+# rows (a tile), a STAGES-deep cp.async ring of H K steps a stage, SPAN tiles one after the other
+# per CTA, KS of K per CTA (K / KS splits). The first five name a kernel that moe_w4a16.cu
+# instantiates (KERNELS).
+CudaConfig = tuple[int, int, int, int, int, int, int]
+KERNELS = {(1, 4, 1, 2, 2), (1, 4, 1, 4, 1), (1, 4, 2, 3, 1), (2, 4, 1, 3, 1), (2, 8, 1, 2, 2), (2, 16, 1, 3, 1)}
 
 # By shape class, then the largest M of the bucket (M above the last bucket takes the last); None:
-# the Triton kernel is faster there. H200 sweeps (NOTES.md v8): CUDA wins from M = 8 while each
-# expert holds a few slots (72-74% of copy bandwidth at M = 8..32 on full experts); at M <= 4 the
-# Triton split-K GEMV (no table launch, K split for more programs) and at M >= 512 its wgmma plane
-# dots are faster, so those buckets keep it.
+# the Triton kernel is as fast or faster there. Picked from whole-MoE timings of candidate configs
+# on an H200 (NOTES.md v9): full experts 77-80 % of copy bandwidth at M = 8..64 with 4-warp tiles
+# and 512-byte row reads (H = 2); one 8-slot block an expert up to M = 256, two 16-slot blocks'
+# worth (NT = 2) at 512; at M <= 2 and at 1024 Triton's split-K GEMV and wgmma plane dots keep the
+# lead. TP-8 shards: the down pass (K = 256, one step) walks 8 tiles a CTA so the ring stays full.
+_A = {"gate_up": (1, 4, 1, 2, 2, 1, 7168), "down": (1, 4, 1, 2, 2, 1, 2048)}
+_SHARD = {"gate_up": (1, 4, 1, 2, 2, 1, 7168), "down": (1, 4, 2, 3, 1, 8, 256)}
 CUDA_CONFIGS: dict[str, dict[int, dict[str, CudaConfig] | None]] = {
-    "full": {4: None,
-             64: {"gate_up": (1, 4, 1, 4, 7168), "down": (1, 4, 1, 4, 2048)},
-             128: {"gate_up": (1, 8, 1, 4, 7168), "down": (1, 4, 2, 4, 2048)},
-             256: {"gate_up": (1, 8, 1, 4, 7168), "down": (2, 8, 1, 4, 2048)},
+    "full": {2: None,
+             32: _A,
+             64: {"gate_up": (1, 4, 1, 2, 2, 1, 7168), "down": (1, 4, 1, 4, 1, 1, 2048)},
+             128: {"gate_up": (1, 4, 2, 3, 1, 1, 7168), "down": (1, 4, 2, 3, 1, 2, 2048)},
+             256: {"gate_up": (1, 4, 2, 3, 1, 1, 7168), "down": (1, 4, 2, 3, 1, 1, 2048)},
+             512: {"gate_up": (2, 16, 1, 3, 1, 1, 7168), "down": (2, 8, 1, 2, 2, 2, 2048)},
              1024: None},
     "shard": {4: None,
-              16: {"gate_up": (1, 8, 1, 4, 3584), "down": (1, 4, 1, 4, 256)},
-              64: {"gate_up": (1, 8, 1, 4, 7168), "down": (1, 4, 1, 4, 256)},
-              128: {"gate_up": (2, 4, 1, 4, 7168), "down": (2, 4, 1, 4, 256)},
+              256: _SHARD,
+              512: {"gate_up": (2, 4, 1, 3, 1, 1, 7168), "down": (2, 4, 1, 3, 1, 8, 256)},
               1024: None},
 }
 
@@ -61,22 +68,26 @@ def cuda_config(m: int, inter: int) -> dict[str, CudaConfig] | None:
 
 
 def kernel_name(cfg: CudaConfig) -> str:
-    nt, warps, r, stages, _ = cfg
-    return f"moe_w4a16_nt{nt}_w{warps}_r{r}_s{stages}"
+    nt, warps, r, stages, h = cfg[:5]
+    return f"moe_w4a16_nt{nt}_w{warps}_r{r}_s{stages}_h{h}"
 
 
-def smem_bytes(cfg: CudaConfig) -> int:
-    """Dynamic shared memory of a config: STAGES x (weights + scales + activations) of one step."""
-    nt, warps, r, stages, _ = cfg
+def smem_bytes(cfg: CudaConfig, k: int) -> int:
+    """Dynamic shared memory of a config on K = k: (weights + scales + activations + group sums) of
+    one K step, times the ring stages a CTA's steps can fill (one tile of one step needs one: more
+    CTAs fit an SM)."""
+    nt, warps, r, stages, h, span, ks = cfg
     strips = warps * r
-    return stages * (strips * 2 * 2 * 32 * 16 + strips * 2 * 32 * 4 + 8 * nt * AROW)
+    sub = strips * 16 * 8 * 16 + strips * 16 * 16 + 8 * nt * (AROW + XREC)
+    return min(stages, span * (min(ks, k) // (STEP * h))) * h * sub
 
 
 def fits(cfg: CudaConfig, n: int, k: int) -> bool:
     """Whether a config runs on an [n, k] weight: whole strips of rows, whole steps and splits of K."""
-    nt, warps, r, stages, ks = cfg
+    nt, warps, r, stages, h, span, ks = cfg
     ks = min(ks, k)
-    return (nt, warps, r, stages) in KERNELS and n % (warps * r * 16) == 0 and ks % STEP == 0 and k % ks == 0
+    return (tuple(cfg[:5]) in KERNELS and n % (warps * r * 16 * span) == 0 and ks % (STEP * h) == 0
+            and k % ks == 0)
 
 
 @cache
@@ -114,8 +125,13 @@ def _module(device: torch.device) -> cuda_build.Module:
     return cuda_build.module(SOURCE, _cuda(device))
 
 
-def align(ids: Tensor, experts: int, bm: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
-    """moe_gemm.align()'s table (same tensors, same meaning) from one moe_align launch."""
+Table = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]
+Prepared = tuple[Tensor, Tensor]  # activations in the dequant's pair order, their group sums
+
+
+def align(ids: Tensor, experts: int, bm: int, x: Tensor | None = None) -> tuple[Table, Prepared | None]:
+    """moe_gemm.align()'s table (same tensors, same meaning) from one moe_align launch, which also
+    prepares activations `x` for the GEMM when given (emit_word's comment says how)."""
     s = ids.numel()
     ub = triton.cdiv(s, bm) + min(experts, s)
     dev = ids.device
@@ -124,26 +140,43 @@ def align(ids: Tensor, experts: int, bm: int) -> tuple[Tensor, Tensor, Tensor, T
     cnt = torch.empty(experts, dtype=torch.int32, device=dev)
     bexp = torch.empty(ub, dtype=torch.int32, device=dev)
     bms = torch.empty(ub, dtype=torch.int32, device=dev)
-    _module(dev).kernel("moe_align")((1,), 1024, 0, [ids, s, experts, bm, ub, slots, seg, cnt, bexp, bms])
-    return slots, seg, cnt, bexp, bms, ub
+    prep, args, grid = None, [None, 0, 0, None, None], 1
+    if x is not None:
+        rows, k = x.shape
+        prep = (torch.empty_like(x), torch.empty(rows, k // 16, dtype=x.dtype, device=dev))
+        args, grid = [x, rows, k, *prep], 1 + triton.cdiv(rows * k // 8, 1024)
+    _module(dev).kernel("moe_align")((grid,), 1024, 0, [ids, s, experts, bm, ub, slots, seg, cnt, bexp, bms, *args])
+    return (slots, seg, cnt, bexp, bms, ub), prep
 
 
-def _pass(a: Tensor, wq: Tensor, ws: Tensor, tw: Tensor, n: int, k: int, a_rows_per_slot: int,
-          weighted: bool, cfg: CudaConfig, table: tuple, s: int) -> Tensor:
+def silu_prep(gu: Tensor, inter: int) -> Prepared:
+    """h = silu(gate) * up from the gate_up partials, prepared for the down GEMM in one launch."""
+    splits, s, _ = gu.shape
+    hp = torch.empty(s, inter, dtype=torch.bfloat16, device=gu.device)
+    hs = torch.empty(s, inter // 16, dtype=torch.bfloat16, device=gu.device)
+    _module(gu.device).kernel("moe_silu_prep")((triton.cdiv(s * inter // 8, 256),), 256, 0, [gu, splits, s, inter, hp, hs])
+    return hp, hs
+
+
+def _pass(a: Prepared, wq: Tensor, ws: Tensor, tw: Tensor, n: int, k: int, a_rows_per_slot: int,
+          weighted: bool, cfg: CudaConfig, table: Table, s: int) -> Tensor:
     """fp32 partials [K / KS, slots, n] of one projection."""
-    nt, warps, r, stages, ks = cfg
+    nt, warps, r, stages, h, span, ks = cfg
     ks = min(ks, k)
     slots, seg, cnt, bexp, bms, ub = table
-    part = torch.empty(k // ks, s, n, dtype=torch.float32, device=a.device)
-    _module(a.device).kernel(kernel_name(cfg))(
-        (ub, n // (warps * r * 16), k // ks), warps * 32, smem_bytes(cfg),
-        [a, wq, ws, part, tw, slots, seg, cnt, bexp, bms, s, n, k, ks, a_rows_per_slot, wq.shape[0], weighted])
+    part = torch.empty(k // ks, s, n, dtype=torch.float32, device=wq.device)
+    _module(wq.device).kernel(kernel_name(cfg))(
+        (ub, n // (warps * r * 16 * span), k // ks), warps * 32, smem_bytes(cfg, k),
+        [*a, wq, ws, part, tw, slots, seg, cnt, bexp, bms, s, n, k, ks, span, a_rows_per_slot, wq.shape[0],
+         weighted])
     return part
 
 
 def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor,
               topk_ids: Tensor, topk_weights: Tensor, configs: dict[str, CudaConfig] | None = None) -> Tensor:
-    """Routed-expert MoE: [M, H] bf16 -> [M, H]; `configs` overrides the M bucket's (the GPU sweep uses it)."""
+    """Routed-expert MoE: [M, H] bf16 -> [M, H]; `configs` overrides the M bucket's (the GPU sweep uses it).
+    Five launches: table + activations, gate_up, SiLU + prepare, down, sum (one more table when
+    the passes' block sizes differ)."""
     m, h = x.shape
     e, two_i, _ = w13_q.shape
     inter = two_i // 2
@@ -152,19 +185,14 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
     cfg = configs or cuda_config(m, inter)
     if not supports(x, w13_q, w2_q, cfg):
         raise ValueError(f"moe_cuda: unsupported input (dtype {x.dtype}, H {h}, I {inter}, E {e}, config {cfg})")
-    x = x.contiguous()
     ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
     tw = topk_weights.reshape(-1).float().contiguous()
-    tables: dict[int, tuple] = {}
-    for c in (cfg["gate_up"], cfg["down"]):
-        if 8 * c[0] not in tables:
-            tables[8 * c[0]] = align(ids, e, 8 * c[0])
-    gu = _pass(x, w13_q, w13_s, tw, two_i, h, topk, False, cfg["gate_up"], tables[8 * cfg["gate_up"][0]], s)
-    hbuf = torch.empty(s, inter, dtype=x.dtype, device=x.device)
-    block = 1024
-    _silu_mul[(triton.cdiv(s * inter, block),)](gu, hbuf, s, inter, SPLITS=gu.shape[0], PERM=0, PLANES=0,
-                                               BLOCK=block)
-    dn = _pass(hbuf, w2_q, w2_s, tw, h, inter, 1, True, cfg["down"], tables[8 * cfg["down"][0]], s)
+    bm_gu, bm_dn = 8 * cfg["gate_up"][0], 8 * cfg["down"][0]
+    table_gu, xprep = align(ids, e, bm_gu, x.contiguous())
+    table_dn = table_gu if bm_dn == bm_gu else align(ids, e, bm_dn)[0]
+    gu = _pass(xprep, w13_q, w13_s, tw, two_i, h, topk, False, cfg["gate_up"], table_gu, s)
+    dn = _pass(silu_prep(gu, inter), w2_q, w2_s, tw, h, inter, 1, True, cfg["down"], table_dn, s)
     out = torch.empty(m, h, dtype=x.dtype, device=x.device)
+    block = 1024
     _sum_slots[(triton.cdiv(m * h, block),)](dn, out, m, s, h, TOPK=topk, SPLITS=dn.shape[0], BLOCK=block)
     return out

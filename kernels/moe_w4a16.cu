@@ -1,17 +1,22 @@
 // W4A16 MoE grouped GEMM on mma.sync tensor cores, reading K2's own INT4 layout (no repack).
 //
 // Same contract as kernels/moe_gemm.py's split-K pass: one CTA computes, for one block of <= TN
-// token-expert slots routed to expert e (align()'s table), BN = WARPS * R * 16 output rows over one
-// KS chunk of K, and writes fp32 partials part[split, slot, n]. Each warp owns R strips of 16 rows.
+// token-expert slots routed to expert e (align()'s table), span tiles of BN = WARPS * R * 16 output
+// rows over one KS chunk of K, and writes fp32 partials part[split, slot, n]. Each warp owns R
+// strips of 16 rows of a tile.
 //
 // Why no weight repack: the MMA sums over K, so any K order works as long as A (weights) and B
-// (activations) agree. In a K step of 256 (32 words a row), thread (g, t) of a warp (g = lane / 4,
-// t = lane % 4) takes words 4t .. 4t+3 and 16+4t .. 16+4t+3 of rows g and g+8 (two 16-byte loads
-// a row, four lanes covering 64 contiguous bytes: whole sectors), i.e. scale groups t and 4 + t;
-// each word feeds two m16n8k16 MMAs (nibbles 0-3, 4-7), whose B fragments are then the 8
-// activations of that word's K range of token g, in natural order.
-// Weights, scales and activations stream through a STAGES-deep cp.async ring in shared memory.
-// Dequant per word: one shift, four (prmt, lop3 to bf16 128 + q + 8, fma -136, fma * scale).
+// (activations) agree. A K step of 256 is 8 scale groups of 32 (4 words a row each). For group G,
+// thread (g, t) of a warp (g = lane / 4, t = lane % 4) takes word 4G + t of rows g and g + 8
+// (ldmatrix hands each lane its word of the 16-byte group chunk), so the two m16n8k16 MMAs of a
+// group see only that group's K and its scale can be applied once to their fp32 sum.
+// Dequant without a subtraction or a multiply: lop3 turns nibble pair (j, j + 4) of a word
+// (shifted by 4j) into bf16 (136 + q_j, 136 + q_(j+4)) exactly, so the MMAs sum (136 + q) x; the
+// offset is removed with the activations' group sums X (emit_word): out = sum_G s_G (A_G -
+// 136 X_G), the second term by one more MMA a step over the scales and X split into two bf16s.
+// The activations come permuted within each word, (0, 4, 1, 5, 2, 6, 3, 7), to match the pairs.
+// Weights, scales, activations and group sums stream through a STAGES-deep cp.async ring of H K
+// steps a stage, running on from one tile to the next.
 // No atomics; the partials are combined in a fixed order by the caller: bit-identical outputs.
 #include <cstdint>
 
@@ -19,6 +24,7 @@ namespace {
 
 constexpr int STEP = 256;       // K per pipeline step
 constexpr int AROW = 512 + 64;  // bytes per token row of a stage's activations (padded: no bank conflicts)
+constexpr int XREC = 32;        // bytes of one token's group sums a step: 8 x (hi, lo) bf16
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -26,25 +32,22 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
-__device__ __forceinline__ void cp4(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
-}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// word v (two's-complement nibbles, element 8w + j in nibble j) and its scale as (s, s) ->
-// q[i] = bf16x2 (element 2i, element 2i + 1) * s, exact before the final rounding.
-__device__ __forceinline__ void dequant(uint32_t v, uint32_t s2, uint32_t (&q)[4]) {
-  const uint32_t u = v >> 4;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    uint32_t d = __byte_perm(v, u, 0x0400 + 0x0101 * i);  // byte 0 = v.byte i, byte 2 = u.byte i
-    asm("lop3.b32 %0, %0, 0x000F000F, 0x43084308, 0x6A;\n" : "+r"(d));  // (d & 0xF) ^ 8 | 0x4300
-    asm("fma.rn.bf16x2 %0, %0, %1, %2;\n" : "+r"(d) : "r"(0x3F803F80u), "r"(0xC308C308u));  // - 136
-    asm("fma.rn.bf16x2 %0, %0, %1, %2;\n" : "+r"(d) : "r"(s2), "r"(0x80008000u));  // * scale
-    q[i] = d;
-  }
+__device__ __forceinline__ void ldmatrix4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// nibbles j, j + 4 of word v (two's complement) -> bf16x2 (136 + q_j, 136 + q_(j+4)), exact
+template <int J>
+__device__ __forceinline__ uint32_t pair(uint32_t v) {
+  uint32_t d = v >> (4 * J);
+  asm("lop3.b32 %0, %0, 0x000F000F, 0x43084308, 0x6A;\n" : "+r"(d));  // (d & 0xF000F) ^ 0x43084308
+  return d;
 }
 
 __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -56,24 +59,32 @@ __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Shared-memory stage: weights [STRIPS][row g | g+8][half][lane] uint4, scales [STRIPS][2][lane]
-// u32, activations [TN][AROW bytes] with chunk c (8 elements) of a row at ((c % 8) * 4 + c / 8).
-template <int NT, int WARPS, int R>
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+// Shared-memory stage: H sub-steps of one K step each, a sub-step = weights [STRIPS][16 rows][8
+// group chunks, swizzled by row % 8] uint4, scales [STRIPS][16 rows][8] bf16, activations
+// [TN][AROW bytes] (natural order), group sums [TN][XREC bytes]. H > 1 asks for H * 128
+// contiguous bytes of each weight row at once (fewer DRAM page openings per byte).
+template <int NT, int WARPS, int R, int H>
 struct Stage {
   static constexpr int TN = 8 * NT, STRIPS = WARPS * R;
-  static constexpr int W_BYTES = STRIPS * 2 * 2 * 32 * 16;
-  static constexpr int S_BYTES = STRIPS * 2 * 32 * 4;
-  static constexpr int BYTES = W_BYTES + S_BYTES + TN * AROW;
+  static constexpr int W_BYTES = STRIPS * 16 * 8 * 16;
+  static constexpr int S_BYTES = STRIPS * 16 * 16;
+  static constexpr int A_BYTES = TN * AROW;
+  static constexpr int SUB = W_BYTES + S_BYTES + A_BYTES + TN * XREC;
+  static constexpr int BYTES = H * SUB;
 };
 
-template <int NT, int WARPS, int R, int STAGES>
-__device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const uint32_t* __restrict__ wq,
-                                         const uint16_t* __restrict__ ws, float* __restrict__ part,
-                                         const float* __restrict__ tw, const int* __restrict__ slots,
-                                         const int* __restrict__ seg, const int* __restrict__ cnt,
-                                         const int* __restrict__ bexp, const int* __restrict__ bms, int S,
-                                         int N, int K, int KS, int a_rows_per_slot, int E, int weighted) {
-  using St = Stage<NT, WARPS, R>;
+template <int NT, int WARPS, int R, int STAGES, int H>
+__device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const uint16_t* __restrict__ xs,
+                                         const uint32_t* __restrict__ wq, const uint16_t* __restrict__ ws,
+                                         float* __restrict__ part, const float* __restrict__ tw,
+                                         const int* __restrict__ slots, const int* __restrict__ seg,
+                                         const int* __restrict__ cnt, const int* __restrict__ bexp,
+                                         const int* __restrict__ bms, int S, int N, int K, int KS, int span,
+                                         int a_rows_per_slot, int E, int weighted) {
+  using St = Stage<NT, WARPS, R, H>;
   constexpr int TN = St::TN;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int slot_of[TN];
@@ -87,151 +98,274 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
   if (tid < TN) {
     const int s = tid < nvalid ? slots[seg[e] + mstart + tid] : -1;
     slot_of[tid] = s;
-    arow_of[tid] = s >= 0 ? (long long)(s / a_rows_per_slot) * K : 0;
+    arow_of[tid] = s >= 0 ? s / a_rows_per_slot : 0;
   }
   __syncthreads();
 
-  const int n0 = blockIdx.y * (St::STRIPS * 16);
+  constexpr int BN = St::STRIPS * 16;
+  const int n0 = blockIdx.y * BN * span;  // the CTA's span tiles of BN rows, one after the other
   const int kbeg = blockIdx.z * KS;
-  const int steps = KS / STEP;
-  const long long ldw = K / 8, lds = K / 32;
+  const int steps = KS / (STEP * H);  // ring stages of H K steps a tile
+  const int total = steps * span;     // the ring runs on across tiles: a short K chunk stays pipelined
+  const long long ldw = K / 8, lds = K / 32, ldx = K / 16;
 
   // Every address a thread copies from or to is fixed for the CTA but for the step's K offset
-  // (weights + 32 words a step, scales + 4 words, activations + STEP elements): computed once, so
-  // the copy phase of a step is its cp.async instructions and a few adds.
-  constexpr int ACH = TN / WARPS;  // activation chunks (16 bytes) each thread copies a step
-  static_assert(TN % WARPS == 0, "TN must be a multiple of WARPS");
+  // (weights + 32 words a step, scales + 8, activations + STEP elements, group sums + 16) and the
+  // tile's rows: computed once, so the copy phase of a step is its cp.async instructions and a few adds.
+  constexpr int ACH = (TN + WARPS - 1) / WARPS;  // activation chunks (16 bytes) a thread copies a step (at most)
   const uint32_t* wsrc[R][2];
-  const uint32_t* ssrc[R][2];
-  uint32_t wdst[R][2], sdst[R][2];
+  uint32_t wdst[R][2][2];
+  const uint16_t* ssrc[R];
+  uint32_t sdst[R];
+  uint32_t wld[R][4];  // ldmatrix addresses: rows g | g + 8 x groups 0-3 | 4-7
   const uint16_t* asrc[ACH];
   uint32_t adst[ACH];
   const uint32_t sm0 = smem_addr(smem);
 #pragma unroll
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
+    const int strip = warp * R + r;
+    const uint32_t wbase = sm0 + strip * (16 * 8 * 16);
+    const long long row0 = (long long)e * N + n0 + strip * 16;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const int strip = warp * R + r;
-      const long long row = (long long)e * N + n0 + strip * 16 + g + 8 * hr;
-      wsrc[r][hr] = wq + row * ldw + kbeg / 8 + 4 * t;
-      // lane (g, t) copies scale groups 2t, 2t + 1 of its row; readers take groups t and 4 + t
-      ssrc[r][hr] = reinterpret_cast<const uint32_t*>(ws + row * lds + kbeg / 32 + 2 * t);
-      wdst[r][hr] = sm0 + ((strip * 2 + hr) * 2 * 32 + lane) * 16;
-      sdst[r][hr] = sm0 + St::W_BYTES + ((strip * 2 + hr) * 32 + lane) * 4;
+      // lane (g, t) copies group chunks t and 4 + t of row g + 8 hr (whole sectors)
+      wsrc[r][hr] = wq + (row0 + g + 8 * hr) * ldw + kbeg / 8 + 4 * t;
+      wdst[r][hr][0] = wbase + ((g + 8 * hr) * 8 + (t ^ g)) * 16;
+      wdst[r][hr][1] = wbase + ((g + 8 * hr) * 8 + ((4 + t) ^ g)) * 16;
     }
+    // ldmatrix: lane i gives row (i % 8) of matrix i / 8, i.e. group chunk (4 h + i / 8) of row
+    // 8 hr + i % 8; lane (g, t) receives word t of that chunk of row 8 hr + g
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int hr = q >> 1, grp = (q & 1) * 4 + (lane >> 3), row = hr * 8 + (lane & 7);
+      wld[r][q] = wbase + (row * 8 + (grp ^ (lane & 7))) * 16;
+    }
+    ssrc[r] = ws + (row0 + (lane & 15)) * lds + kbeg / 32;  // lanes 0-15 copy a row's 8 scales
+    sdst[r] = sm0 + St::W_BYTES + (strip * 16 + (lane & 15)) * 16;
+  }
 #pragma unroll
   for (int i = 0; i < ACH; ++i) {
     const int c = tid + i * WARPS * 32, tok = c >> 5, ch = c & 31;  // chunk ch: the activations of word ch
-    asrc[i] = tok < nvalid ? a + arow_of[tok] + kbeg + ch * 8 : nullptr;  // padded tokens: left stale,
-    adst[i] = sm0 + St::W_BYTES + St::S_BYTES + tok * AROW +          // their outputs are never stored
-              (((ch & 3) + 4 * (ch >> 4)) * 4 + ((ch >> 2) & 3)) * 16;
+    asrc[i] = tok < nvalid ? a + arow_of[tok] * K + kbeg + ch * 8 : nullptr;  // padded tokens: left stale,
+    adst[i] = sm0 + St::W_BYTES + St::S_BYTES + tok * AROW + ch * 16;       // their outputs are never stored
   }
+  const int xtok = tid >> 1;  // threads 0 .. 2 TN - 1 copy the group sums, 16 bytes each
+  const uint16_t* xsrc = tid < 2 * TN && xtok < nvalid ? xs + arow_of[xtok] * ldx + kbeg / 16 + (tid & 1) * 8
+                                                       : nullptr;
+  const uint32_t xdst = sm0 + St::W_BYTES + St::S_BYTES + St::A_BYTES + tid * 16;
 
-  auto load = [&](int stage, int step) {
-    const uint32_t off = stage * St::BYTES;
+  auto load_sub = [&](uint32_t off, int tile, int step) {
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
-        const uint32_t* src = wsrc[r][hr] + step * (STEP / 8);
-        cp16(wdst[r][hr] + off, src);
-        cp16(wdst[r][hr] + off + 32 * 16, src + 16);
-        cp4(sdst[r][hr] + off, ssrc[r][hr] + step * (STEP / 64));
+        const uint32_t* src = wsrc[r][hr] + tile * BN * ldw + step * (STEP / 8);
+        cp16(wdst[r][hr][0] + off, src);
+        cp16(wdst[r][hr][1] + off, src + 16);
       }
+      if (lane < 16) cp16(sdst[r] + off, ssrc[r] + tile * BN * lds + step * (STEP / 32));
+    }
 #pragma unroll
     for (int i = 0; i < ACH; ++i)
       if (asrc[i] != nullptr) cp16(adst[i] + off, asrc[i] + step * STEP);
+    if (xsrc != nullptr) cp16(xdst + off, xsrc + step * (STEP / 16));
+  };
+  auto load = [&](int stage, int j) {  // pipeline step j: tile j / steps, K step j % steps
+    const int tile = j / steps, step = j - tile * steps;
+#pragma unroll
+    for (int h = 0; h < H; ++h) load_sub(stage * St::BYTES + h * St::SUB, tile, step * H + h);
   };
 
-  float acc[R][NT][4];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.f;
-
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < steps) load(s, s);
-    cp_commit();
-  }
-  for (int step = 0; step < steps; ++step) {
-    cp_wait<STAGES - 2>();
-    __syncthreads();  // this step's stage is complete for all threads; the previous stage is free
-    if (step + STAGES - 1 < steps) load((step + STAGES - 1) % STAGES, step + STAGES - 1);
-    cp_commit();
-    const unsigned char* base = smem + (step % STAGES) * St::BYTES;
-    const uint4* wsm = reinterpret_cast<const uint4*>(base);
-    const uint32_t* ssm = reinterpret_cast<const uint32_t*>(base + St::W_BYTES);
-    const unsigned char* asm_ = base + St::W_BYTES + St::S_BYTES;
-    uint4 w[R][2][2];
-    uint32_t sc[R][2][2];  // (s, s) of group t (words 0-3 of the thread) and 4 + t (words 4-7)
-    const uint32_t half = (t & 1) ? 0x3232 : 0x1010;
+  float acc[R][NT][4], cor[R][NT][4];
+  auto zero = [&] {
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int strip = warp * R + r;
-        w[r][hr][0] = wsm[((strip * 2 + hr) * 2 + 0) * 32 + lane];
-        w[r][hr][1] = wsm[((strip * 2 + hr) * 2 + 1) * 32 + lane];
-        const uint32_t* srow = ssm + (strip * 2 + hr) * 32 + g * 4;
-        sc[r][hr][0] = __byte_perm(srow[t >> 1], 0, half);
-        sc[r][hr][1] = __byte_perm(srow[2 + (t >> 1)], 0, half);
-      }
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      uint4 x[NT];
-#pragma unroll
       for (int n = 0; n < NT; ++n)
-        x[n] = *reinterpret_cast<const uint4*>(asm_ + (n * 8 + g) * AROW + (jj * 4 + t) * 16);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[r][n][i] = cor[r][n][i] = 0.f;
+  };
+  // c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8
+  auto store = [&](int tile) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = n * 8 + 2 * t + j;
+        if (col >= nvalid) continue;
+        const int slot = slot_of[col];
+        const float wgt = weighted ? tw[slot] : 1.f;
+        float* out = part + ((long long)blockIdx.z * S + slot) * N + n0 + tile * BN + g;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int row = (warp * R + r) * 16;
+          out[row] = fmaf(-136.f, cor[r][n][j], acc[r][n][j]) * wgt;
+          out[row + 8] = fmaf(-136.f, cor[r][n][2 + j], acc[r][n][2 + j]) * wgt;
+        }
+      }
+  };
+
+  zero();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < total) load(s, s);
+    cp_commit();
+  }
+  for (int step = 0, tile = 0, ks = 0; step < total; ++step) {
+    cp_wait<STAGES - 2>();
+    __syncthreads();  // this step's stage is complete for all threads; the previous stage is free
+    if (step + STAGES - 1 < total) load((step + STAGES - 1) % STAGES, step + STAGES - 1);
+    cp_commit();
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      const uint32_t off = (step % STAGES) * St::BYTES + h * St::SUB;
+      const unsigned char* base = smem + off;
+      const unsigned char* ssm = base + St::W_BYTES;
+      const unsigned char* asm_ = ssm + St::S_BYTES;
+      const unsigned char* xsm = asm_ + St::A_BYTES;
+      uint32_t w[R][2][8];  // [strip][row g | g + 8][group]: word t of the group
+      uint4 sv[R][2];       // the 8 scales of rows g, g + 8
+      uint32_t sp[R][2];    // scales of groups 2t, 2t + 1 of rows g, g + 8: A of the offset MMA
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        uint32_t qa[4], qb[4];
-        const uint4& wa = w[r][0][jj >> 2];
-        const uint4& wb = w[r][1][jj >> 2];
-        const uint32_t va = (jj & 3) == 0 ? wa.x : (jj & 3) == 1 ? wa.y : (jj & 3) == 2 ? wa.z : wa.w;
-        const uint32_t vb = (jj & 3) == 0 ? wb.x : (jj & 3) == 1 ? wb.y : (jj & 3) == 2 ? wb.z : wb.w;
-        dequant(va, sc[r][0][jj >> 2], qa);
-        dequant(vb, sc[r][1][jj >> 2], qb);
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          mma(acc[r][n], qa[0], qb[0], qa[1], qb[1], x[n].x, x[n].y);
-          mma(acc[r][n], qa[2], qb[2], qa[3], qb[3], x[n].z, x[n].w);
+        for (int q = 0; q < 4; ++q) {
+          uint32_t v[4];
+          ldmatrix4(wld[r][q] + off, v);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) w[r][q >> 1][(q & 1) * 4 + j] = v[j];
+        }
+        const unsigned char* srow = ssm + (warp * R + r) * 256 + g * 16;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          sv[r][hr] = *reinterpret_cast<const uint4*>(srow + hr * 128);
+          sp[r][hr] = *reinterpret_cast<const uint32_t*>(srow + hr * 128 + 4 * t);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const uint2 xr = *reinterpret_cast<const uint2*>(xsm + (n * 8 + g) * XREC + 8 * t);  // (hi, lo) pairs
+#pragma unroll
+        for (int r = 0; r < R; ++r) mma(cor[r][n], sp[r][0], sp[r][1], sp[r][0], sp[r][1], xr.x, xr.y);
+      }
+#pragma unroll
+      for (int G = 0; G < 8; ++G) {
+        uint4 x[NT];
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+          x[n] = *reinterpret_cast<const uint4*>(asm_ + (n * 8 + g) * AROW + (4 * G + t) * 16);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const uint32_t va = w[r][0][G], vb = w[r][1][G];
+          const uint32_t a0 = pair<0>(va), a1 = pair<1>(va), a2 = pair<2>(va), a3 = pair<3>(va);
+          const uint32_t b0 = pair<0>(vb), b1 = pair<1>(vb), b2 = pair<2>(vb), b3 = pair<3>(vb);
+          const uint32_t swa = (G >> 1) == 0 ? sv[r][0].x : (G >> 1) == 1 ? sv[r][0].y : (G >> 1) == 2 ? sv[r][0].z : sv[r][0].w;
+          const uint32_t swb = (G >> 1) == 0 ? sv[r][1].x : (G >> 1) == 1 ? sv[r][1].y : (G >> 1) == 2 ? sv[r][1].z : sv[r][1].w;
+          const float sa = (G & 1) ? bf16_hi(swa) : bf16_lo(swa), sb = (G & 1) ? bf16_hi(swb) : bf16_lo(swb);
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            mma(d, a0, b0, a1, b1, x[n].x, x[n].y);
+            mma(d, a2, b2, a3, b3, x[n].z, x[n].w);
+            acc[r][n][0] = fmaf(sa, d[0], acc[r][n][0]);
+            acc[r][n][1] = fmaf(sa, d[1], acc[r][n][1]);
+            acc[r][n][2] = fmaf(sb, d[2], acc[r][n][2]);
+            acc[r][n][3] = fmaf(sb, d[3], acc[r][n][3]);
+          }
         }
       }
     }
+    if (++ks == steps) {
+      store(tile);
+      zero();
+      ks = 0, ++tile;
+    }
   }
   cp_wait<0>();
+}
 
-  // c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8
-#pragma unroll
-  for (int n = 0; n < NT; ++n)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int col = n * 8 + 2 * t + j;
-      if (col >= nvalid) continue;
-      const int slot = slot_of[col];
-      const float wgt = weighted ? tw[slot] : 1.f;
-      float* out = part + ((long long)blockIdx.z * S + slot) * N + n0 + g;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int row = (warp * R + r) * 16;
-        out[row] = acc[r][n][j] * wgt;
-        out[row + 8] = acc[r][n][2 + j] * wgt;
-      }
-    }
+
+// The activations as moe_gemm reads them, one 8-element word v (natural order) of row `row`, word
+// w of K / 8: xp gets the word's elements in the order (0, 4, 1, 5, 2, 6, 3, 7) (the pairs the
+// dequant makes), and per row and K step of 256 the 8 group sums X (fp32 sums of 32 elements) go
+// to xs as 16 bf16, (hi(X_2i), hi(X_2i+1), lo(X_2i), lo(X_2i+1)) for i = 0..3 with hi = bf16(X),
+// lo = bf16(X - hi): the B fragment of the offset MMA. A group's 4 words are 4 adjacent lanes of
+// one warp, all 32 lanes live (K % 256 == 0, whole rows per warp).
+__device__ __forceinline__ uint16_t bf16_rn(float f) {
+  const uint32_t u = __float_as_uint(f);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+__device__ __forceinline__ void emit_word(uint4 v, long long row, int w, int K, uint16_t* __restrict__ xp,
+                                          uint16_t* __restrict__ xs) {
+  uint4 p;
+  p.x = __byte_perm(v.x, v.z, 0x5410);
+  p.y = __byte_perm(v.x, v.z, 0x7632);
+  p.z = __byte_perm(v.y, v.w, 0x5410);
+  p.w = __byte_perm(v.y, v.w, 0x7632);
+  *reinterpret_cast<uint4*>(xp + row * K + w * 8) = p;
+  float sum = bf16_lo(v.x) + bf16_hi(v.x) + bf16_lo(v.y) + bf16_hi(v.y) + bf16_lo(v.z) + bf16_hi(v.z) +
+              bf16_lo(v.w) + bf16_hi(v.w);
+  sum += __shfl_xor_sync(~0u, sum, 1);
+  sum += __shfl_xor_sync(~0u, sum, 2);
+  if ((w & 3) == 0) {
+    const int grp = (w >> 2) & 7;  // group within the step
+    const uint16_t hi = bf16_rn(sum);
+    uint16_t* rec = xs + row * (K / 16) + (w >> 5) * 16 + 4 * (grp >> 1) + (grp & 1);
+    rec[0] = hi;
+    rec[2] = bf16_rn(sum - __uint_as_float(static_cast<uint32_t>(hi) << 16));
+  }
 }
 
 }  // namespace
 
+// h = silu(gate) * up from the gate_up partials part[split, slot, 2I] (summed over the splits in
+// order), rounded to bf16 and written as the down pass reads it (emit_word). A thread per word of
+// h, 256 threads a CTA over the slots' words in order.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_silu_prep(const float* __restrict__ part, int splits, int S, int I, uint16_t* __restrict__ hp,
+                  uint16_t* __restrict__ hs) {
+  const long long f = blockIdx.x * 256LL + threadIdx.x, words = I / 8;
+  if (f >= S * words) return;  // I % 256 == 0: whole warps leave
+  const long long row = f / words;
+  const int w = static_cast<int>(f - row * words);
+  float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, u[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int sp = 0; sp < splits; ++sp) {
+    const float* base = part + (sp * (long long)S + row) * (2 * I) + w * 8;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float4 a = *reinterpret_cast<const float4*>(base + 4 * h);
+      const float4 b = *reinterpret_cast<const float4*>(base + I + 4 * h);
+      g[4 * h] += a.x, g[4 * h + 1] += a.y, g[4 * h + 2] += a.z, g[4 * h + 3] += a.w;
+      u[4 * h] += b.x, u[4 * h + 1] += b.y, u[4 * h + 2] += b.z, u[4 * h + 3] += b.w;
+    }
+  }
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float h0 = g[2 * i] / (1.f + expf(-g[2 * i])) * u[2 * i];
+    const float h1 = g[2 * i + 1] / (1.f + expf(-g[2 * i + 1])) * u[2 * i + 1];
+    o[i] = bf16_rn(h0) | static_cast<uint32_t>(bf16_rn(h1)) << 16;
+  }
+  emit_word(make_uint4(o[0], o[1], o[2], o[3]), row, w, I, hp, hs);
+}
+
 // Block table of the slots grouped by expert, as kernels/moe_gemm.py's align() makes it: sorted
 // slots (stable: slot order within an expert), per-expert start and count, per-block expert (E for
-// unused blocks) and first row. One CTA of 1024 threads, E <= 1024; counts by shared atomics
-// (order-free), placement by one warp in slot order (deterministic).
+// unused blocks) and first row. CTA 0 (1024 threads, E <= 1024) makes it: counts by shared atomics
+// (order-free), placement by one warp in slot order (deterministic). CTAs 1.. meanwhile prepare
+// `rows` rows of activations x for the GEMM (emit_word), a thread per word: one launch for both.
 extern "C" __global__ void __launch_bounds__(1024)
     moe_align(const long long* __restrict__ ids, int S, int E, int BM, int ub, int* __restrict__ slots,
-              int* __restrict__ seg, int* __restrict__ cnt, int* __restrict__ bexp, int* __restrict__ bms) {
+              int* __restrict__ seg, int* __restrict__ cnt, int* __restrict__ bexp, int* __restrict__ bms,
+              const uint16_t* __restrict__ x, int rows, int K, uint16_t* __restrict__ xp, uint16_t* __restrict__ xs) {
+  if (blockIdx.x > 0) {
+    const long long f = (blockIdx.x - 1) * 1024LL + threadIdx.x, words = K / 8;
+    if (f >= rows * words) return;  // K % 256 == 0: whole warps leave
+    const long long row = f / words;
+    const int w = static_cast<int>(f - row * words);
+    emit_word(*reinterpret_cast<const uint4*>(x + row * K + w * 8), row, w, K, xp, xs);
+    return;
+  }
   __shared__ int counts[1024], cursor[1024];
   __shared__ int wsum[32][2];
   __shared__ int total;
@@ -287,26 +421,20 @@ extern "C" __global__ void __launch_bounds__(1024)
   }
 }
 
-#define MOE_KERNEL(NT, WARPS, R, STAGES)                                                                    \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_w4a16_nt##NT##_w##WARPS##_r##R##_s##STAGES( \
-      const uint16_t* a, const uint32_t* wq, const uint16_t* ws, float* part, const float* tw,            \
-      const int* slots, const int* seg, const int* cnt, const int* bexp, const int* bms, int S, int N,     \
-      int K, int KS, int a_rows_per_slot, int E, int weighted) {                                           \
-    moe_gemm<NT, WARPS, R, STAGES>(a, wq, ws, part, tw, slots, seg, cnt, bexp, bms, S, N, K, KS,           \
-                                   a_rows_per_slot, E, weighted);                                          \
+#define MOE_KERNEL(NT, WARPS, R, STAGES, H)                                                                  \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
+      moe_w4a16_nt##NT##_w##WARPS##_r##R##_s##STAGES##_h##H(                                                 \
+      const uint16_t* a, const uint16_t* xs, const uint32_t* wq, const uint16_t* ws, float* part,         \
+      const float* tw, const int* slots, const int* seg, const int* cnt, const int* bexp, const int* bms,  \
+      int S, int N, int K, int KS, int span, int a_rows_per_slot, int E, int weighted) {                   \
+    moe_gemm<NT, WARPS, R, STAGES, H>(a, xs, wq, ws, part, tw, slots, seg, cnt, bexp, bms, S, N, K, KS,    \
+                                      span, a_rows_per_slot, E, weighted);                                 \
   }
 
 // The configs kernels/moe_cuda.py may pick (KERNELS there lists the same names).
-MOE_KERNEL(1, 4, 1, 4)
-MOE_KERNEL(1, 4, 2, 4)
-MOE_KERNEL(1, 8, 1, 4)
-MOE_KERNEL(1, 8, 2, 4)
-MOE_KERNEL(2, 4, 1, 4)
-MOE_KERNEL(2, 4, 2, 4)
-MOE_KERNEL(2, 8, 1, 4)
-MOE_KERNEL(2, 8, 2, 4)
-MOE_KERNEL(2, 4, 4, 4)
-MOE_KERNEL(4, 4, 2, 4)
-MOE_KERNEL(4, 8, 1, 4)
-MOE_KERNEL(4, 8, 2, 3)
-MOE_KERNEL(4, 4, 4, 3)
+MOE_KERNEL(1, 4, 1, 2, 2)
+MOE_KERNEL(1, 4, 1, 4, 1)
+MOE_KERNEL(1, 4, 2, 3, 1)
+MOE_KERNEL(2, 4, 1, 3, 1)
+MOE_KERNEL(2, 8, 1, 2, 2)
+MOE_KERNEL(2, 16, 1, 3, 1)

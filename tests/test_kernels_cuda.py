@@ -75,7 +75,7 @@ def test_cubin_is_cached_by_content(no_nvcc: None, monkeypatch: pytest.MonkeyPat
 
 def test_config_table_names_instantiated_kernels_that_tile_k2() -> None:
     made = {tuple(int(v) for v in m.groups())
-            for m in re.finditer(r"^MOE_KERNEL\((\d+), (\d+), (\d+), (\d+)\)", SOURCE.read_text(), re.M)}
+            for m in re.finditer(r"^MOE_KERNEL\((\d+), (\d+), (\d+), (\d+), (\d+)\)", SOURCE.read_text(), re.M)}
     assert made == moe_cuda.KERNELS
     for cls, table in moe_cuda.CUDA_CONFIGS.items():
         inter, hidden = SHAPES[cls]
@@ -84,7 +84,8 @@ def test_config_table_names_instantiated_kernels_that_tile_k2() -> None:
                 continue
             assert moe_cuda.fits(cfg["gate_up"], 2 * inter, hidden), (cls, bucket)
             assert moe_cuda.fits(cfg["down"], hidden, inter), (cls, bucket)
-            assert all(moe_cuda.smem_bytes(c) <= 227 * 1024 for c in cfg.values()), (cls, bucket)
+            assert moe_cuda.smem_bytes(cfg["gate_up"], hidden) <= 227 * 1024, (cls, bucket)
+            assert moe_cuda.smem_bytes(cfg["down"], inter) <= 227 * 1024, (cls, bucket)
     assert moe_cuda.cuda_config(1, 2048) is None and moe_cuda.cuda_config(16, 2048) is not None
     assert moe_cuda.cuda_config(4096, 256) is None  # above the last bucket: the last one's answer
 
@@ -106,5 +107,23 @@ def test_real_nvcc_builds_every_listed_kernel(monkeypatch: pytest.MonkeyPatch, t
     monkeypatch.setenv("KDBENCH_CUDA_CACHE", str(tmp_path))
     image = cuda_build.compile_cubin(SOURCE, "sm_90").read_bytes()
     for cfg in moe_cuda.KERNELS:
-        assert moe_cuda.kernel_name((*cfg, 256)).encode() in image
-    assert b"moe_align" in image
+        assert moe_cuda.kernel_name((*cfg, 1, 256)).encode() in image
+    assert b"moe_align" in image and b"moe_silu_prep" in image
+
+
+def test_a_one_step_chunk_asks_for_one_ring_stage() -> None:
+    """The TP-8 down pass (K = 256) fills one stage: asking for all four would cap CTAs per SM."""
+    cfg = (1, 4, 1, 4, 1, 1, 2048)
+    assert moe_cuda.smem_bytes(cfg, 256) * 4 == moe_cuda.smem_bytes(cfg, 2048)
+    assert moe_cuda.smem_bytes((1, 4, 1, 4, 1, 1, 512), 2048) * 2 == moe_cuda.smem_bytes(cfg, 2048)
+    assert moe_cuda.smem_bytes((1, 4, 1, 2, 2, 1, 2048), 2048) == moe_cuda.smem_bytes(cfg, 2048)
+    assert moe_cuda.smem_bytes((1, 4, 1, 4, 1, 4, 256), 256) == moe_cuda.smem_bytes(cfg, 2048), "tiles fill the ring"
+
+
+def test_kernel_arguments_are_device_pointers_ints_or_null() -> None:
+    t = torch.zeros(2)
+    assert cuda_build._arg(t).value == t.data_ptr()
+    assert cuda_build._arg(7).value == 7 and cuda_build._arg(True).value == 1
+    assert cuda_build._arg(None).value is None, "None is a null pointer (moe_align without activations)"
+    with pytest.raises(TypeError, match="float"):
+        cuda_build._arg(1.5)
