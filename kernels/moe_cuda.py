@@ -154,7 +154,8 @@ def silu_prep(gu: Tensor, inter: int) -> Prepared:
     splits, s, _ = gu.shape
     hp = torch.empty(s, inter, dtype=torch.bfloat16, device=gu.device)
     hs = torch.empty(s, inter // 16, dtype=torch.bfloat16, device=gu.device)
-    _module(gu.device).kernel("moe_silu_prep")((triton.cdiv(s * inter // 8, 256),), 256, 0, [gu, splits, s, inter, hp, hs])
+    grid = (triton.cdiv(s * inter // 8, 256),)
+    _module(gu.device).kernel("moe_silu_prep")(grid, 256, 0, [gu, splits, s, inter, hp, hs])
     return hp, hs
 
 

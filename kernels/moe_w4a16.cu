@@ -224,7 +224,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
       const unsigned char* asm_ = ssm + St::S_BYTES;
       const unsigned char* xsm = asm_ + St::A_BYTES;
       uint32_t w[R][2][8];  // [strip][row g | g + 8][group]: word t of the group
-      uint4 sv[R][2];       // the 8 scales of rows g, g + 8
+      uint32_t sv[R][2][4];  // the 8 scales of rows g, g + 8, as bf16 pairs
       uint32_t sp[R][2];    // scales of groups 2t, 2t + 1 of rows g, g + 8: A of the offset MMA
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -238,7 +238,8 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
         const unsigned char* srow = ssm + (warp * R + r) * 256 + g * 16;
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          sv[r][hr] = *reinterpret_cast<const uint4*>(srow + hr * 128);
+          const uint4 q = *reinterpret_cast<const uint4*>(srow + hr * 128);
+          sv[r][hr][0] = q.x, sv[r][hr][1] = q.y, sv[r][hr][2] = q.z, sv[r][hr][3] = q.w;
           sp[r][hr] = *reinterpret_cast<const uint32_t*>(srow + hr * 128 + 4 * t);
         }
       }
@@ -259,8 +260,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
           const uint32_t va = w[r][0][G], vb = w[r][1][G];
           const uint32_t a0 = pair<0>(va), a1 = pair<1>(va), a2 = pair<2>(va), a3 = pair<3>(va);
           const uint32_t b0 = pair<0>(vb), b1 = pair<1>(vb), b2 = pair<2>(vb), b3 = pair<3>(vb);
-          const uint32_t swa = (G >> 1) == 0 ? sv[r][0].x : (G >> 1) == 1 ? sv[r][0].y : (G >> 1) == 2 ? sv[r][0].z : sv[r][0].w;
-          const uint32_t swb = (G >> 1) == 0 ? sv[r][1].x : (G >> 1) == 1 ? sv[r][1].y : (G >> 1) == 2 ? sv[r][1].z : sv[r][1].w;
+          const uint32_t swa = sv[r][0][G >> 1], swb = sv[r][1][G >> 1];
           const float sa = (G & 1) ? bf16_hi(swa) : bf16_lo(swa), sb = (G & 1) ? bf16_hi(swb) : bf16_lo(swb);
 #pragma unroll
           for (int n = 0; n < NT; ++n) {
