@@ -88,6 +88,8 @@ def test_config_table_names_instantiated_kernels_that_tile_k2() -> None:
             assert moe_cuda.smem_bytes(cfg["down"], inter) <= 227 * 1024, (cls, bucket)
     assert moe_cuda.cuda_config(1, 2048) is None and moe_cuda.cuda_config(16, 2048) is not None
     assert moe_cuda.cuda_config(4096, 256) is None  # above the last bucket: the last one's answer
+    assert not moe_cuda.fits((1, 4, 1, 4, 1, 3, 256), 7168, 256), "3 tiles of 64 rows do not tile N = 7168"
+    assert not moe_cuda.fits((1, 4, 1, 2, 2, 1, 256), 7168, 256), "H = 2 needs K chunks of 512"
 
 
 def test_ops_names_the_impl_that_runs() -> None:
