@@ -39,22 +39,21 @@ KERNELS = {(1, 4, 1, 2, 2), (1, 4, 1, 4, 1), (1, 4, 2, 3, 1), (2, 4, 1, 3, 1), (
 
 # By shape class, then the largest M of the bucket (M above the last bucket takes the last); None:
 # the Triton kernel is as fast or faster there. Picked from whole-MoE timings of candidate configs
-# on an H200 (NOTES.md v9): full experts 77-80 % of copy bandwidth at M = 8..64 with 4-warp tiles
-# and 512-byte row reads (H = 2); one 8-slot block an expert up to M = 256, two 16-slot blocks'
-# worth (NT = 2) at 512; at M <= 2 and at 1024 Triton's split-K GEMV and wgmma plane dots keep the
-# lead. TP-8 shards: the down pass (K = 256, one step) walks 8 tiles a CTA so the ring stays full.
-_A = {"gate_up": (1, 4, 1, 2, 2, 1, 7168), "down": (1, 4, 1, 2, 2, 1, 2048)}
-_SHARD = {"gate_up": (1, 4, 1, 2, 2, 1, 7168), "down": (1, 4, 2, 3, 1, 8, 256)}
+# on an H200 (NOTES.md v9; the reference: full experts 79-83 % of copy bandwidth at M = 8..64):
+# 4-warp tiles with 256-byte row reads (H = 2) at small M, one 8-slot block an expert up to M =
+# 256, 16-slot blocks (NT = 2) at 512; at M <= 2 and at 1024 Triton's split-K GEMV and wgmma plane
+# dots keep the lead. TP-8 shards: the down pass (K = 256, one step) walks 8 tiles a CTA so the
+# ring stays full.
 CUDA_CONFIGS: dict[str, dict[int, dict[str, CudaConfig] | None]] = {
     "full": {2: None,
-             32: _A,
+             32: {"gate_up": (1, 4, 1, 2, 2, 1, 7168), "down": (1, 4, 1, 2, 2, 1, 2048)},
              64: {"gate_up": (1, 4, 1, 2, 2, 1, 7168), "down": (1, 4, 1, 4, 1, 1, 2048)},
              128: {"gate_up": (1, 4, 2, 3, 1, 1, 7168), "down": (1, 4, 2, 3, 1, 2, 2048)},
              256: {"gate_up": (1, 4, 2, 3, 1, 1, 7168), "down": (1, 4, 2, 3, 1, 1, 2048)},
              512: {"gate_up": (2, 16, 1, 3, 1, 1, 7168), "down": (2, 8, 1, 2, 2, 2, 2048)},
              1024: None},
     "shard": {4: None,
-              256: _SHARD,
+              256: {"gate_up": (1, 4, 1, 2, 2, 1, 7168), "down": (1, 4, 2, 3, 1, 8, 256)},
               512: {"gate_up": (2, 4, 1, 3, 1, 1, 7168), "down": (2, 4, 1, 3, 1, 8, 256)},
               1024: None},
 }
