@@ -82,7 +82,7 @@ def smem_bytes(cfg: CudaConfig, k: int) -> int:
 
 
 def fits(cfg: CudaConfig, n: int, k: int) -> bool:
-    """Whether a config runs on an [n, k] weight: whole strips of rows, whole steps and splits of K."""
+    """Whether a config runs on an [n, k] weight: whole spans of row tiles, whole stages and splits of K."""
     nt, warps, r, stages, h, span, ks = cfg
     ks = min(ks, k)
     return (tuple(cfg[:5]) in KERNELS and n % (warps * r * 16 * span) == 0 and ks % (STEP * h) == 0
