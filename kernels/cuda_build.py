@@ -4,7 +4,9 @@ Why not a torch extension: that needs a host C++ toolchain and Python headers an
 to compile; a cubin needs only nvcc (seconds) and the driver, which every GPU host has. The cubin
 is cached by the hash of (source, nvcc version, arch, flags), like Triton's cache, so
 `engine.build` compiles once and the benches load it. Launches go through the driver API on
-torch's current stream, so they are captured by CUDA graphs like any other kernel.
+torch's current stream, so they are captured by CUDA graphs like any other kernel; a launch may ask
+for programmatic dependent launch (sm_90 on), so that its CTAs start while the kernel before it drains
+(the kernel then waits for that one's results with griddepcontrol.wait).
 
 A host without nvcc (or with one that fails) gets `CudaUnavailable` with the reason; the callers
 then run the Triton kernel and say so (build.json, the impl column).
@@ -28,6 +30,22 @@ NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17")
 NVCC_TIMEOUT_S = 600
 DEFAULT_NVCC = Path("/usr/local/cuda/bin/nvcc")
 _MAX_DYNAMIC_SMEM = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+class LaunchAttribute(ctypes.Structure):
+    """cuda.h's CUlaunchAttribute: an id, padded to 8 bytes, then a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_pad", ctypes.c_char * 60)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
 
 
 class CudaUnavailable(RuntimeError):
@@ -114,17 +132,25 @@ class Kernel:
     def __init__(self, lib: ctypes.CDLL, fn: ctypes.c_void_p, name: str) -> None:
         self.lib, self.fn, self.name, self._smem = lib, fn, name, 0
 
-    def __call__(self, grid: Sequence[int], block: int, smem: int, args: Sequence[object]) -> None:
+    def __call__(self, grid: Sequence[int], block: int, smem: int, args: Sequence[object], pdl: bool = False) -> None:
+        """Launch on torch's current stream; `pdl`: as a programmatic dependent launch (sm_90 on: the
+        kernel must griddepcontrol.wait before it reads what the kernel before it writes)."""
         if smem > self._smem:  # above 48 KB a kernel must opt in to more dynamic shared memory
             _check(self.lib, self.lib.cuFuncSetAttribute(self.fn, _MAX_DYNAMIC_SMEM, ctypes.c_int(smem)),
                    f"{self.name}: cuFuncSetAttribute({smem} bytes)")
             self._smem = smem
         cargs = [a if isinstance(a, ctypes._SimpleCData) else _arg(a) for a in args]
         params = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(a) for a in cargs])
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        gx, gy, gz = (*grid, 1, 1)[:3]
-        _check(self.lib, self.lib.cuLaunchKernel(self.fn, gx, gy, gz, block, 1, 1, smem, stream, params, None),
-               f"launch {self.name}")
+        config = launch_config(grid, block, smem, torch.cuda.current_stream().cuda_stream, pdl)
+        _check(self.lib, self.lib.cuLaunchKernelEx(ctypes.byref(config), self.fn, params, None), f"launch {self.name}")
+
+
+def launch_config(grid: Sequence[int], block: int, smem: int, stream: int, pdl: bool) -> LaunchConfig:
+    """cuLaunchKernelEx's config: a 1-D block, up to 3 grid dims, and the programmatic-serialization
+    attribute when `pdl` (the config holds the attribute alive)."""
+    attr = LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    return LaunchConfig(grid=(ctypes.c_uint * 3)(*(*grid, 1, 1)[:3]), block=(ctypes.c_uint * 3)(block, 1, 1),
+                        smem=smem, stream=stream, attrs=ctypes.pointer(attr), num_attrs=int(pdl))
 
 
 def _arg(a: object) -> ctypes._SimpleCData:

@@ -4,9 +4,10 @@ The passes of kernels/moe_gemm.py's grouped path, the block table and both proje
 moe_align (slots grouped by expert, one launch instead of torch's sort and scans), then per
 projection one GEMM pass writing fp32 partials per K split, on activations permuted to the
 dequant's pairs and their group sums (prepared by the align launch for gate_up, by moe_silu_prep,
-which also applies SiLU x up, for down); moe_gemm's Triton kernel sums the down partials over the
-splits and top-k in a fixed order. Weights stay in K2's own layout (kernels/int4.py): nothing is
-repacked.
+which also applies SiLU x up, for down); moe_sum adds the down partials over the splits and top-k
+in a fixed order. Weights stay in K2's own layout (kernels/int4.py): nothing is repacked. On sm_90
+and later the five launches are programmatic dependent launches (moe_w4a16.cu's top says how they
+wait), so each kernel's CTAs start while the one before drains.
 
 `unavailable_reason(device)` says why this host cannot run it (no nvcc, the cubin does not build),
 None when it can; `supports` says whether the inputs' M bucket is one it serves. ops runs the Triton
@@ -22,7 +23,7 @@ import triton
 from torch import Tensor
 
 from kernels import cuda_build
-from kernels.moe_gemm import _sum_slots, shape_class
+from kernels.moe_gemm import shape_class
 
 SOURCE = "moe_w4a16.cu"
 STEP = 256  # K per pipeline step (the kernel's STEP)
@@ -35,27 +36,31 @@ MAX_EXPERTS = 1024  # moe_align's one-CTA table
 # per CTA, KS of K per CTA (K / KS splits). The first five name a kernel that moe_w4a16.cu
 # instantiates (KERNELS).
 CudaConfig = tuple[int, int, int, int, int, int, int]
-KERNELS = {(1, 4, 1, 2, 2), (1, 4, 1, 4, 1), (1, 4, 2, 3, 1), (2, 4, 1, 3, 1), (2, 8, 1, 2, 2), (2, 16, 1, 3, 1)}
+KERNELS = {(1, 4, 1, 2, 2), (1, 4, 1, 3, 2), (1, 4, 1, 4, 1), (1, 4, 2, 3, 1), (2, 4, 2, 3, 1), (2, 4, 4, 2, 1),
+           (4, 4, 2, 2, 1), (4, 4, 2, 3, 1)}
 
-# By shape class, then the largest M of the bucket (M above the last bucket takes the last); None:
-# the Triton kernel is as fast or faster there. Picked from whole-MoE timings of candidate configs
-# on an H200 (NOTES.md v9; the reference: full experts 79-83 % of copy bandwidth at M = 8..64):
-# 4-warp tiles with 256-byte row reads (H = 2) at small M, one 8-slot block an expert up to M =
-# 256, 16-slot blocks (NT = 2) at 512; at M <= 2 and at 1024 Triton's split-K GEMV and wgmma plane
-# dots keep the lead. TP-8 shards: the down pass (K = 256, one step) walks 8 tiles a CTA so the
-# ring stays full.
+# By shape class, then the largest M of the bucket (M above the last bucket takes the last); None
+# would mean the Triton kernel is as fast or faster there. Picked from whole-MoE timings of
+# candidate configs on an H200 (NOTES.md v10): 4-warp tiles with 256-byte row reads (H = 2) and
+# one 8-slot block an expert up to M = 64 (TP-8 shards: K split over CTAs at M <= 2, the down pass,
+# K = 256, one step, walking 2-14 tiles a CTA so the ring stays full), warps of 2 strips from M =
+# 128, then 16- and 32-slot blocks (NT = 2, 4) at M = 512 and 1024 with 2-4 strips a warp, so each
+# activation fragment read from shared memory serves 32-64 rows.
 CUDA_CONFIGS: dict[str, dict[int, dict[str, CudaConfig] | None]] = {
-    "full": {2: None,
-             32: {"gate_up": (1, 4, 1, 2, 2, 1, 7168), "down": (1, 4, 1, 2, 2, 1, 2048)},
+    "full": {16: {"gate_up": (1, 4, 1, 2, 2, 1, 7168), "down": (1, 4, 1, 2, 2, 1, 2048)},
+             32: {"gate_up": (1, 4, 1, 2, 2, 1, 7168), "down": (1, 4, 1, 2, 2, 2, 2048)},
              64: {"gate_up": (1, 4, 1, 2, 2, 1, 7168), "down": (1, 4, 1, 4, 1, 1, 2048)},
-             128: {"gate_up": (1, 4, 2, 3, 1, 1, 7168), "down": (1, 4, 2, 3, 1, 2, 2048)},
-             256: {"gate_up": (1, 4, 2, 3, 1, 1, 7168), "down": (1, 4, 2, 3, 1, 1, 2048)},
-             512: {"gate_up": (2, 16, 1, 3, 1, 1, 7168), "down": (2, 8, 1, 2, 2, 2, 2048)},
-             1024: None},
-    "shard": {4: None,
+             256: {"gate_up": (1, 4, 2, 3, 1, 1, 7168), "down": (1, 4, 2, 3, 1, 2, 2048)},
+             512: {"gate_up": (2, 4, 4, 2, 1, 1, 7168), "down": (2, 4, 2, 3, 1, 1, 2048)},
+             1024: {"gate_up": (4, 4, 2, 3, 1, 1, 7168), "down": (4, 4, 2, 2, 1, 1, 2048)}},
+    "shard": {1: {"gate_up": (1, 4, 1, 4, 1, 1, 1792), "down": (1, 4, 2, 3, 1, 2, 256)},
+              2: {"gate_up": (1, 4, 1, 4, 1, 1, 1792), "down": (1, 4, 1, 4, 1, 4, 256)},
+              4: {"gate_up": (1, 4, 1, 3, 2, 1, 7168), "down": (1, 4, 1, 4, 1, 8, 256)},
+              8: {"gate_up": (1, 4, 1, 2, 2, 1, 7168), "down": (1, 4, 1, 4, 1, 14, 256)},
+              16: {"gate_up": (1, 4, 1, 2, 2, 1, 3584), "down": (1, 4, 2, 3, 1, 8, 256)},
               256: {"gate_up": (1, 4, 1, 2, 2, 1, 7168), "down": (1, 4, 2, 3, 1, 8, 256)},
-              512: {"gate_up": (2, 4, 1, 3, 1, 1, 7168), "down": (2, 4, 1, 3, 1, 8, 256)},
-              1024: None},
+              512: {"gate_up": (2, 4, 2, 3, 1, 1, 7168), "down": (2, 4, 2, 3, 1, 8, 256)},
+              1024: {"gate_up": (4, 4, 2, 2, 1, 1, 7168), "down": (4, 4, 2, 2, 1, 4, 256)}},
 }
 
 
@@ -124,6 +129,16 @@ def _module(device: torch.device) -> cuda_build.Module:
     return cuda_build.module(SOURCE, _cuda(device))
 
 
+@cache
+def _pdl(index: int) -> bool:
+    """Programmatic dependent launch: sm_90 and later."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _launch(dev: torch.device, name: str, grid: tuple[int, ...], block: int, smem: int, args: list[object]) -> None:
+    _module(dev).kernel(name)(grid, block, smem, args, pdl=_pdl(_cuda(dev).index))
+
+
 Table = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]
 Prepared = tuple[Tensor, Tensor]  # activations in the dequant's pair order, their group sums
 
@@ -144,7 +159,7 @@ def align(ids: Tensor, experts: int, bm: int, x: Tensor | None = None) -> tuple[
         rows, k = x.shape
         prep = (torch.empty_like(x), torch.empty(rows, k // 16, dtype=x.dtype, device=dev))
         args, grid = [x, rows, k, *prep], 1 + triton.cdiv(rows * k // 8, 1024)
-    _module(dev).kernel("moe_align")((grid,), 1024, 0, [ids, s, experts, bm, ub, slots, seg, cnt, bexp, bms, *args])
+    _launch(dev, "moe_align", (grid,), 1024, 0, [ids, s, experts, bm, ub, slots, seg, cnt, bexp, bms, *args])
     return (slots, seg, cnt, bexp, bms, ub), prep
 
 
@@ -154,21 +169,21 @@ def silu_prep(gu: Tensor, inter: int) -> Prepared:
     hp = torch.empty(s, inter, dtype=torch.bfloat16, device=gu.device)
     hs = torch.empty(s, inter // 16, dtype=torch.bfloat16, device=gu.device)
     grid = (triton.cdiv(s * inter // 8, 256),)
-    _module(gu.device).kernel("moe_silu_prep")(grid, 256, 0, [gu, splits, s, inter, hp, hs])
+    _launch(gu.device, "moe_silu_prep", grid, 256, 0, [gu, splits, s, inter, hp, hs])
     return hp, hs
 
 
 def _pass(a: Prepared, wq: Tensor, ws: Tensor, tw: Tensor, n: int, k: int, a_rows_per_slot: int,
-          weighted: bool, cfg: CudaConfig, table: Table, s: int) -> Tensor:
-    """fp32 partials [K / KS, slots, n] of one projection."""
+          weighted: bool, cfg: CudaConfig, table: Table, s: int, early: bool) -> Tensor:
+    """fp32 partials [K / KS, slots, n] of one projection; `early`: the table was finished before
+    the launch before this one (the down pass), so the first weight stages load before the wait."""
     nt, warps, r, stages, h, span, ks = cfg
     ks = min(ks, k)
     slots, seg, cnt, bexp, bms, ub = table
     part = torch.empty(k // ks, s, n, dtype=torch.float32, device=wq.device)
-    _module(wq.device).kernel(kernel_name(cfg))(
-        (ub, n // (warps * r * 16 * span), k // ks), warps * 32, smem_bytes(cfg, k),
-        [*a, wq, ws, part, tw, slots, seg, cnt, bexp, bms, s, n, k, ks, span, a_rows_per_slot, wq.shape[0],
-         weighted])
+    _launch(wq.device, kernel_name(cfg), (ub, n // (warps * r * 16 * span), k // ks), warps * 32,
+            smem_bytes(cfg, k), [*a, wq, ws, part, tw, slots, seg, cnt, bexp, bms, s, n, k, ks, span,
+                                 a_rows_per_slot, wq.shape[0], weighted, early])
     return part
 
 
@@ -190,9 +205,8 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
     bm_gu, bm_dn = 8 * cfg["gate_up"][0], 8 * cfg["down"][0]
     table_gu, xprep = align(ids, e, bm_gu, x.contiguous())
     table_dn = table_gu if bm_dn == bm_gu else align(ids, e, bm_dn)[0]
-    gu = _pass(xprep, w13_q, w13_s, tw, two_i, h, topk, False, cfg["gate_up"], table_gu, s)
-    dn = _pass(silu_prep(gu, inter), w2_q, w2_s, tw, h, inter, 1, True, cfg["down"], table_dn, s)
+    gu = _pass(xprep, w13_q, w13_s, tw, two_i, h, topk, False, cfg["gate_up"], table_gu, s, False)
+    dn = _pass(silu_prep(gu, inter), w2_q, w2_s, tw, h, inter, 1, True, cfg["down"], table_dn, s, True)
     out = torch.empty(m, h, dtype=x.dtype, device=x.device)
-    block = 1024
-    _sum_slots[(triton.cdiv(m * h, block),)](dn, out, m, s, h, TOPK=topk, SPLITS=dn.shape[0], BLOCK=block)
+    _launch(x.device, "moe_sum", (triton.cdiv(m * h // 4, 256),), 256, 0, [dn, dn.shape[0], s, m, h, topk, out])
     return out

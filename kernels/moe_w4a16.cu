@@ -17,7 +17,14 @@
 // The activations come permuted within each word, (0, 4, 1, 5, 2, 6, 3, 7), to match the pairs.
 // Weights, scales, activations and group sums stream through a STAGES-deep cp.async ring of H K
 // steps a stage, running on from one tile to the next.
-// No atomics; the partials are combined in a fixed order by the caller: bit-identical outputs.
+// No atomics; the partials are combined in a fixed order (moe_sum): bit-identical outputs.
+//
+// The five launches of a MoE call (moe_align, gate_up, moe_silu_prep, down, moe_sum) are
+// programmatic dependent launches on sm_90 on: each kernel lets the next one's CTAs start once all
+// of its own have started (launch_dependents) and waits for the one before it to finish
+// (griddepcontrol.wait) before it reads what that one wrote. The down pass reads its block table
+// (written by moe_align, three launches back, finished before gate_up's wait returned) and copies
+// its first weight stages before it waits, so they stream while the SiLU kernel drains.
 #include <cstdint>
 
 namespace {
@@ -25,6 +32,18 @@ namespace {
 constexpr int STEP = 256;       // K per pipeline step
 constexpr int AROW = 512 + 64;  // bytes per token row of a stage's activations (padded: no bank conflicts)
 constexpr int XREC = 32;        // bytes of one token's group sums a step: 8 x (hi, lo) bf16
+
+// Programmatic dependent launch (no-ops when the launch did not ask for it, or before sm_90).
+__device__ __forceinline__ void grid_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -83,20 +102,23 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
                                          const int* __restrict__ slots, const int* __restrict__ seg,
                                          const int* __restrict__ cnt, const int* __restrict__ bexp,
                                          const int* __restrict__ bms, int S, int N, int K, int KS, int span,
-                                         int a_rows_per_slot, int E, int weighted) {
+                                         int a_rows_per_slot, int E, int weighted, int early) {
   using St = Stage<NT, WARPS, R, H>;
   constexpr int TN = St::TN;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int slot_of[TN];
   __shared__ long long arow_of[TN];
 
-  const int e = bexp[blockIdx.x];
+  // early: the table was complete before this launch (see the top), read through L2 (__ldcg: no
+  // stale L1 line of an earlier call's table), and the first weight stages go before the wait
+  if (!early) grid_wait();
+  const int e = __ldcg(bexp + blockIdx.x);
   if (e >= E) return;  // unused block of the table: the whole CTA leaves before any barrier
-  const int mstart = bms[blockIdx.x];
-  const int nvalid = min(TN, cnt[e] - mstart);
+  const int mstart = __ldcg(bms + blockIdx.x);
+  const int nvalid = min(TN, __ldcg(cnt + e) - mstart);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   if (tid < TN) {
-    const int s = tid < nvalid ? slots[seg[e] + mstart + tid] : -1;
+    const int s = tid < nvalid ? __ldcg(slots + __ldcg(seg + e) + mstart + tid) : -1;
     slot_of[tid] = s;
     arow_of[tid] = s >= 0 ? s / a_rows_per_slot : 0;
   }
@@ -107,6 +129,9 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
   const int kbeg = blockIdx.z * KS;
   const int steps = KS / (STEP * H);  // ring stages of H K steps a tile
   const int total = steps * span;     // the ring runs on across tiles: a short K chunk stays pipelined
+  // one step a tile: every tile of the span reads the same activations, so each stage's copy is
+  // made once, on the stage's first use, and kept
+  const bool a_once = steps == 1;
   const long long ldw = K / 8, lds = K / 32, ldx = K / 16;
 
   // Every address a thread copies from or to is fixed for the CTA but for the step's K offset
@@ -154,7 +179,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
                                                        : nullptr;
   const uint32_t xdst = sm0 + St::W_BYTES + St::S_BYTES + St::A_BYTES + tid * 16;
 
-  auto load_sub = [&](uint32_t off, int tile, int step) {
+  auto load_w = [&](uint32_t off, int tile, int step) {  // weights and scales of one K step
 #pragma unroll
     for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -165,15 +190,22 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
       }
       if (lane < 16) cp16(sdst[r] + off, ssrc[r] + tile * BN * lds + step * (STEP / 32));
     }
+  };
+  auto load_a = [&](uint32_t off, int step) {  // activations and group sums of one K step
 #pragma unroll
     for (int i = 0; i < ACH; ++i)
       if (asrc[i] != nullptr) cp16(adst[i] + off, asrc[i] + step * STEP);
     if (xsrc != nullptr) cp16(xdst + off, xsrc + step * (STEP / 16));
   };
-  auto load = [&](int stage, int j) {  // pipeline step j: tile j / steps, K step j % steps
+  // pipeline step j: tile j / steps, K step j % steps
+  auto load = [&](int stage, int j, bool w, bool a) {
     const int tile = j / steps, step = j - tile * steps;
 #pragma unroll
-    for (int h = 0; h < H; ++h) load_sub(stage * St::BYTES + h * St::SUB, tile, step * H + h);
+    for (int h = 0; h < H; ++h) {
+      const uint32_t off = stage * St::BYTES + h * St::SUB;
+      if (w) load_w(off, tile, step * H + h);
+      if (a && (j < STAGES || !a_once)) load_a(off, step * H + h);
+    }
   };
 
   float acc[R][NT][4], cor[R][NT][4];
@@ -206,15 +238,23 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
   };
 
   zero();
+  // prologue: the first STAGES - 1 stages' weights (one commit group, before the wait when
+  // early), then each stage's activations as its own group, so the loop's waits count as before
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < total) load(s, s, true, false);
+  cp_commit();
+  if (early) grid_wait();
+  grid_launch_dependents();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < total) load(s, s);
+    if (s < total) load(s, s, false, true);
     cp_commit();
   }
   for (int step = 0, tile = 0, ks = 0; step < total; ++step) {
     cp_wait<STAGES - 2>();
     __syncthreads();  // this step's stage is complete for all threads; the previous stage is free
-    if (step + STAGES - 1 < total) load((step + STAGES - 1) % STAGES, step + STAGES - 1);
+    if (step + STAGES - 1 < total) load((step + STAGES - 1) % STAGES, step + STAGES - 1, true, true);
     cp_commit();
 #pragma unroll
     for (int h = 0; h < H; ++h) {
@@ -324,6 +364,8 @@ __device__ __forceinline__ void emit_word(uint4 v, long long row, int w, int K, 
 extern "C" __global__ void __launch_bounds__(256)
     moe_silu_prep(const float* __restrict__ part, int splits, int S, int I, uint16_t* __restrict__ hp,
                   uint16_t* __restrict__ hs) {
+  grid_launch_dependents();  // the down pass may start now: it waits before it reads h
+  grid_wait();
   const long long f = blockIdx.x * 256LL + threadIdx.x, words = I / 8;
   if (f >= S * words) return;  // I % 256 == 0: whole warps leave
   const long long row = f / words;
@@ -349,6 +391,26 @@ extern "C" __global__ void __launch_bounds__(256)
   emit_word(make_uint4(o[0], o[1], o[2], o[3]), row, w, I, hp, hs);
 }
 
+// out[m, n] = bf16 of the down partials part[split, m * topk + j, n] summed over the splits, then
+// over j, in that fixed order. A thread per 4 outputs, 256 threads a CTA.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_sum(const float* __restrict__ part, int splits, int S, int M, int N, int topk, uint16_t* __restrict__ out) {
+  grid_wait();
+  const long long f = blockIdx.x * 256LL + threadIdx.x, quads = N / 4;
+  if (f >= M * quads) return;
+  const long long m = f / quads;
+  const int c = static_cast<int>(f - m * quads) * 4;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int sp = 0; sp < splits; ++sp)
+    for (int j = 0; j < topk; ++j) {
+      const float4 v = *reinterpret_cast<const float4*>(part + (sp * (long long)S + m * topk + j) * N + c);
+      acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+    }
+  *reinterpret_cast<uint2*>(out + m * N + c) =
+      make_uint2(bf16_rn(acc.x) | static_cast<uint32_t>(bf16_rn(acc.y)) << 16,
+                 bf16_rn(acc.z) | static_cast<uint32_t>(bf16_rn(acc.w)) << 16);
+}
+
 // Block table of the slots grouped by expert, as kernels/moe_gemm.py's align() makes it: sorted
 // slots (stable: slot order within an expert), per-expert start and count, per-block expert (E for
 // unused blocks) and first row. CTA 0 (1024 threads, E <= 1024) makes it: counts by shared atomics
@@ -358,6 +420,8 @@ extern "C" __global__ void __launch_bounds__(1024)
     moe_align(const long long* __restrict__ ids, int S, int E, int BM, int ub, int* __restrict__ slots,
               int* __restrict__ seg, int* __restrict__ cnt, int* __restrict__ bexp, int* __restrict__ bms,
               const uint16_t* __restrict__ x, int rows, int K, uint16_t* __restrict__ xp, uint16_t* __restrict__ xs) {
+  grid_launch_dependents();
+  grid_wait();
   if (blockIdx.x > 0) {
     const long long f = (blockIdx.x - 1) * 1024LL + threadIdx.x, words = K / 8;
     if (f >= rows * words) return;  // K % 256 == 0: whole warps leave
@@ -426,15 +490,17 @@ extern "C" __global__ void __launch_bounds__(1024)
       moe_w4a16_nt##NT##_w##WARPS##_r##R##_s##STAGES##_h##H(                                                 \
       const uint16_t* a, const uint16_t* xs, const uint32_t* wq, const uint16_t* ws, float* part,         \
       const float* tw, const int* slots, const int* seg, const int* cnt, const int* bexp, const int* bms,  \
-      int S, int N, int K, int KS, int span, int a_rows_per_slot, int E, int weighted) {                   \
+      int S, int N, int K, int KS, int span, int a_rows_per_slot, int E, int weighted, int early) {        \
     moe_gemm<NT, WARPS, R, STAGES, H>(a, xs, wq, ws, part, tw, slots, seg, cnt, bexp, bms, S, N, K, KS,    \
-                                      span, a_rows_per_slot, E, weighted);                                 \
+                                      span, a_rows_per_slot, E, weighted, early);                          \
   }
 
 // The configs kernels/moe_cuda.py may pick (KERNELS there lists the same names).
 MOE_KERNEL(1, 4, 1, 2, 2)
+MOE_KERNEL(1, 4, 1, 3, 2)
 MOE_KERNEL(1, 4, 1, 4, 1)
 MOE_KERNEL(1, 4, 2, 3, 1)
-MOE_KERNEL(2, 4, 1, 3, 1)
-MOE_KERNEL(2, 8, 1, 2, 2)
-MOE_KERNEL(2, 16, 1, 3, 1)
+MOE_KERNEL(2, 4, 2, 3, 1)
+MOE_KERNEL(2, 4, 4, 2, 1)
+MOE_KERNEL(4, 4, 2, 2, 1)
+MOE_KERNEL(4, 4, 2, 3, 1)

@@ -86,8 +86,8 @@ def test_config_table_names_instantiated_kernels_that_tile_k2() -> None:
             assert moe_cuda.fits(cfg["down"], hidden, inter), (cls, bucket)
             assert moe_cuda.smem_bytes(cfg["gate_up"], hidden) <= 227 * 1024, (cls, bucket)
             assert moe_cuda.smem_bytes(cfg["down"], inter) <= 227 * 1024, (cls, bucket)
-    assert moe_cuda.cuda_config(1, 2048) is None and moe_cuda.cuda_config(16, 2048) is not None
-    assert moe_cuda.cuda_config(4096, 256) is None  # above the last bucket: the last one's answer
+    assert moe_cuda.cuda_config(1, 2048) == moe_cuda.cuda_config(16, 2048) != moe_cuda.cuda_config(17, 2048)
+    assert moe_cuda.cuda_config(4096, 256) == moe_cuda.cuda_config(1024, 256)  # above the last bucket: the last one's
     assert not moe_cuda.fits((1, 4, 1, 4, 1, 3, 256), 7168, 256), "3 tiles of 64 rows do not tile N = 7168"
     assert not moe_cuda.fits((1, 4, 1, 2, 2, 1, 256), 7168, 256), "H = 2 needs K chunks of 512"
 
@@ -110,7 +110,7 @@ def test_real_nvcc_builds_every_listed_kernel(monkeypatch: pytest.MonkeyPatch, t
     image = cuda_build.compile_cubin(SOURCE, "sm_90").read_bytes()
     for cfg in moe_cuda.KERNELS:
         assert moe_cuda.kernel_name((*cfg, 1, 256)).encode() in image
-    assert b"moe_align" in image and b"moe_silu_prep" in image
+    assert b"moe_align" in image and b"moe_silu_prep" in image and b"moe_sum" in image
 
 
 def test_a_one_step_chunk_asks_for_one_ring_stage() -> None:
@@ -129,3 +129,34 @@ def test_kernel_arguments_are_device_pointers_ints_or_null() -> None:
     assert cuda_build._arg(None).value is None, "None is a null pointer (moe_align without activations)"
     with pytest.raises(TypeError, match="float"):
         cuda_build._arg(1.5)
+
+
+def test_launch_config_matches_cuda_h_and_asks_for_pdl_only_when_told() -> None:
+    """cuLaunchKernelEx reads the config by cuda.h's layout: a wrong offset would launch garbage."""
+    import ctypes
+    import gc
+
+    assert ctypes.sizeof(cuda_build.LaunchAttribute) == 72 and cuda_build.LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(cuda_build.LaunchConfig) == 56
+    assert [getattr(cuda_build.LaunchConfig, f).offset for f in ("grid", "block", "smem", "stream", "attrs",
+                                                                  "num_attrs")] == [0, 12, 24, 32, 40, 48]
+    cfg = cuda_build.launch_config((9, 64), 128, 4096, 1234, True)
+    gc.collect()  # the attribute must live as long as the config
+    assert list(cfg.grid) == [9, 64, 1] and list(cfg.block) == [128, 1, 1] and cfg.smem == 4096
+    assert cfg.stream == 1234 and cfg.num_attrs == 1
+    assert (cfg.attrs[0].id, cfg.attrs[0].value) == (6, 1)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert cuda_build.launch_config((1,), 32, 0, 0, False).num_attrs == 0
+
+
+def test_every_launch_waits_for_the_kernel_before_it() -> None:
+    """With programmatic dependent launch a kernel that reads its predecessor's output before
+    griddepcontrol.wait reads stale memory: each kernel of the chain waits, the GEMM before it
+    reads the table unless the caller says the table is already complete (the down pass)."""
+    src = SOURCE.read_text()
+    for name in ("moe_align", "moe_silu_prep", "moe_sum"):
+        body = src[src.index(f"    {name}("):]
+        body = body[:body.index("\n}\n")]
+        assert "grid_wait();" in body, name
+    gemm = src[src.index("__device__ __forceinline__ void moe_gemm("):]
+    assert gemm.index("if (!early) grid_wait();") < gemm.index("__ldcg(bexp")
+    assert gemm.index("if (early) grid_wait();") < gemm.index("load(s, s, false, true)"), "activations after the wait"
