@@ -3,7 +3,9 @@
 // Same contract as kernels/moe_gemm.py's split-K pass: one CTA computes, for one block of <= TN
 // token-expert slots routed to expert e (align()'s table), span tiles of BN = WARPS * R * 16 output
 // rows over one KS chunk of K, and writes fp32 partials part[split, slot, n]. Each warp owns R
-// strips of 16 rows of a tile.
+// strips of 16 rows of a tile. A stage holds the activations of TA <= TN tokens: at decode sizes
+// (M <= TA, so no expert has more than TA tokens; the caller checks) the rest of the block's 8
+// MMA columns read token 0's and are never stored, and the shared memory saved deepens the ring.
 //
 // Why no weight repack: the MMA sums over K, so any K order works as long as A (weights) and B
 // (activations) agree. A K step of 256 is 8 scale groups of 32 (4 words a row each). For group G,
@@ -83,19 +85,20 @@ __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v 
 
 // Shared-memory stage: H sub-steps of one K step each, a sub-step = weights [STRIPS][16 rows][8
 // group chunks, swizzled by row % 8] uint4, scales [STRIPS][16 rows][8] bf16, activations
-// [TN][AROW bytes] (natural order), group sums [TN][XREC bytes]. H > 1 asks for H * 128
+// [TA][AROW bytes] (natural order), group sums [TA][XREC bytes]. H > 1 asks for H * 128
 // contiguous bytes of each weight row at once (fewer DRAM page openings per byte).
-template <int NT, int WARPS, int R, int H>
+template <int NT, int WARPS, int R, int H, int TA>
 struct Stage {
   static constexpr int TN = 8 * NT, STRIPS = WARPS * R;
+  static_assert(TA >= 1 && TA <= TN, "activation rows held: 1 .. 8 NT");
   static constexpr int W_BYTES = STRIPS * 16 * 8 * 16;
   static constexpr int S_BYTES = STRIPS * 16 * 16;
-  static constexpr int A_BYTES = TN * AROW;
-  static constexpr int SUB = W_BYTES + S_BYTES + A_BYTES + TN * XREC;
+  static constexpr int A_BYTES = TA * AROW;
+  static constexpr int SUB = W_BYTES + S_BYTES + A_BYTES + TA * XREC;
   static constexpr int BYTES = H * SUB;
 };
 
-template <int NT, int WARPS, int R, int STAGES, int H>
+template <int NT, int WARPS, int R, int STAGES, int H, int TA>
 __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const uint16_t* __restrict__ xs,
                                          const uint32_t* __restrict__ wq, const uint16_t* __restrict__ ws,
                                          float* __restrict__ part, const float* __restrict__ tw,
@@ -103,7 +106,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
                                          const int* __restrict__ cnt, const int* __restrict__ bexp,
                                          const int* __restrict__ bms, int S, int N, int K, int KS, int span,
                                          int a_rows_per_slot, int E, int weighted, int early) {
-  using St = Stage<NT, WARPS, R, H>;
+  using St = Stage<NT, WARPS, R, H, TA>;
   constexpr int TN = St::TN;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int slot_of[TN];
@@ -116,6 +119,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
   if (e >= E) return;  // unused block of the table: the whole CTA leaves before any barrier
   const int mstart = __ldcg(bms + blockIdx.x);
   const int nvalid = min(TN, __ldcg(cnt + e) - mstart);
+  if (nvalid > TA) __trap();  // the caller's contract (M <= TA) broken: never a silent wrong result
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   if (tid < TN) {
     const int s = tid < nvalid ? __ldcg(slots + __ldcg(seg + e) + mstart + tid) : -1;
@@ -137,7 +141,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
   // Every address a thread copies from or to is fixed for the CTA but for the step's K offset
   // (weights + 32 words a step, scales + 8, activations + STEP elements, group sums + 16) and the
   // tile's rows: computed once, so the copy phase of a step is its cp.async instructions and a few adds.
-  constexpr int ACH = (TN + WARPS - 1) / WARPS;  // activation chunks (16 bytes) a thread copies a step (at most)
+  constexpr int ACH = (TA + WARPS - 1) / WARPS;  // activation chunks (16 bytes) a thread copies a step (at most)
   const uint32_t* wsrc[R][2];
   uint32_t wdst[R][2][2];
   const uint16_t* ssrc[R];
@@ -174,8 +178,8 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
     asrc[i] = tok < nvalid ? a + arow_of[tok] * K + kbeg + ch * 8 : nullptr;  // padded tokens: left stale,
     adst[i] = sm0 + St::W_BYTES + St::S_BYTES + tok * AROW + ch * 16;       // their outputs are never stored
   }
-  const int xtok = tid >> 1;  // threads 0 .. 2 TN - 1 copy the group sums, 16 bytes each
-  const uint16_t* xsrc = tid < 2 * TN && xtok < nvalid ? xs + arow_of[xtok] * ldx + kbeg / 16 + (tid & 1) * 8
+  const int xtok = tid >> 1;  // threads 0 .. 2 TA - 1 copy the group sums, 16 bytes each
+  const uint16_t* xsrc = tid < 2 * TA && xtok < nvalid ? xs + arow_of[xtok] * ldx + kbeg / 16 + (tid & 1) * 8
                                                        : nullptr;
   const uint32_t xdst = sm0 + St::W_BYTES + St::S_BYTES + St::A_BYTES + tid * 16;
 
@@ -208,6 +212,8 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
     }
   };
 
+  // the stage row of MMA column group n's token g (columns past TA read row 0 and are never stored)
+  auto trow = [&](int n) { return n * 8 + g < TA ? n * 8 + g : 0; };
   float acc[R][NT][4], cor[R][NT][4];
   auto zero = [&] {
 #pragma unroll
@@ -285,7 +291,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
       }
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
-        const uint2 xr = *reinterpret_cast<const uint2*>(xsm + (n * 8 + g) * XREC + 8 * t);  // (hi, lo) pairs
+        const uint2 xr = *reinterpret_cast<const uint2*>(xsm + trow(n) * XREC + 8 * t);  // (hi, lo) pairs
 #pragma unroll
         for (int r = 0; r < R; ++r) mma(cor[r][n], sp[r][0], sp[r][1], sp[r][0], sp[r][1], xr.x, xr.y);
       }
@@ -294,7 +300,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
         uint4 x[NT];
 #pragma unroll
         for (int n = 0; n < NT; ++n)
-          x[n] = *reinterpret_cast<const uint4*>(asm_ + (n * 8 + g) * AROW + (4 * G + t) * 16);
+          x[n] = *reinterpret_cast<const uint4*>(asm_ + trow(n) * AROW + (4 * G + t) * 16);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const uint32_t va = w[r][0][G], vb = w[r][1][G];
@@ -485,22 +491,24 @@ extern "C" __global__ void __launch_bounds__(1024)
   }
 }
 
-#define MOE_KERNEL(NT, WARPS, R, STAGES, H)                                                                  \
+#define MOE_KERNEL(NT, WARPS, R, STAGES, H, TA)                                                              \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
-      moe_w4a16_nt##NT##_w##WARPS##_r##R##_s##STAGES##_h##H(                                                 \
+      moe_w4a16_nt##NT##_w##WARPS##_r##R##_s##STAGES##_h##H##_a##TA(                                        \
       const uint16_t* a, const uint16_t* xs, const uint32_t* wq, const uint16_t* ws, float* part,         \
       const float* tw, const int* slots, const int* seg, const int* cnt, const int* bexp, const int* bms,  \
       int S, int N, int K, int KS, int span, int a_rows_per_slot, int E, int weighted, int early) {        \
-    moe_gemm<NT, WARPS, R, STAGES, H>(a, xs, wq, ws, part, tw, slots, seg, cnt, bexp, bms, S, N, K, KS,    \
+    moe_gemm<NT, WARPS, R, STAGES, H, TA>(a, xs, wq, ws, part, tw, slots, seg, cnt, bexp, bms, S, N, K, KS,    \
                                       span, a_rows_per_slot, E, weighted, early);                          \
   }
 
 // The configs kernels/moe_cuda.py may pick (KERNELS there lists the same names).
-MOE_KERNEL(1, 4, 1, 2, 2)
-MOE_KERNEL(1, 4, 1, 3, 2)
-MOE_KERNEL(1, 4, 1, 4, 1)
-MOE_KERNEL(1, 4, 2, 3, 1)
-MOE_KERNEL(2, 4, 2, 3, 1)
-MOE_KERNEL(2, 4, 4, 2, 1)
-MOE_KERNEL(4, 4, 2, 2, 1)
-MOE_KERNEL(4, 4, 2, 3, 1)
+MOE_KERNEL(1, 4, 1, 2, 2, 8)
+MOE_KERNEL(1, 4, 1, 3, 2, 8)
+MOE_KERNEL(1, 4, 1, 4, 1, 8)
+MOE_KERNEL(1, 4, 2, 3, 1, 8)
+MOE_KERNEL(2, 4, 2, 3, 1, 16)
+MOE_KERNEL(2, 4, 4, 2, 1, 16)
+MOE_KERNEL(4, 4, 2, 2, 1, 32)
+MOE_KERNEL(4, 4, 2, 3, 1, 32)
+MOE_KERNEL(1, 4, 1, 2, 2, 1)
+MOE_KERNEL(1, 4, 1, 4, 1, 1)
