@@ -170,5 +170,6 @@ def test_a_stage_of_one_token_serves_only_m_1(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the shape rules only
     assert moe_cuda.supports(torch.zeros(1, 7168, dtype=torch.bfloat16), w13, w2, one)
     assert not moe_cuda.supports(torch.zeros(2, 7168, dtype=torch.bfloat16), w13, w2, one)
-    assert moe_cuda.supports(torch.zeros(2, 7168, dtype=torch.bfloat16), w13, w2, moe_cuda.cuda_config(2, 2048))
-    assert moe_cuda.smem_bytes(one["gate_up"], 7168) < moe_cuda.smem_bytes(moe_cuda.cuda_config(2, 2048)["gate_up"], 7168)
+    two = moe_cuda.cuda_config(2, 2048)
+    assert moe_cuda.supports(torch.zeros(2, 7168, dtype=torch.bfloat16), w13, w2, two)
+    assert moe_cuda.smem_bytes(one["gate_up"], 7168) < moe_cuda.smem_bytes(two["gate_up"], 7168)
