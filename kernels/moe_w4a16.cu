@@ -142,8 +142,8 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
   // (weights + 32 words a step, scales + 8, activations + STEP elements, group sums + 16) and the
   // tile's rows: computed once, so the copy phase of a step is its cp.async instructions and a few adds.
   constexpr int ACH = (TA + WARPS - 1) / WARPS;  // activation chunks (16 bytes) a thread copies a step (at most)
-  const uint32_t* wsrc[R][2];
-  uint32_t wdst[R][2][2];
+  const uint32_t* wsrc[R][4];
+  uint32_t wdst[R][4];
   const uint16_t* ssrc[R];
   uint32_t sdst[R];
   uint32_t wld[R][4];  // ldmatrix addresses: rows g | g + 8 x groups 0-3 | 4-7
@@ -156,11 +156,12 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
     const uint32_t wbase = sm0 + strip * (16 * 8 * 16);
     const long long row0 = (long long)e * N + n0 + strip * 16;
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      // lane (g, t) copies group chunks t and 4 + t of row g + 8 hr (whole sectors)
-      wsrc[r][hr] = wq + (row0 + g + 8 * hr) * ldw + kbeg / 8 + 4 * t;
-      wdst[r][hr][0] = wbase + ((g + 8 * hr) * 8 + (t ^ g)) * 16;
-      wdst[r][hr][1] = wbase + ((g + 8 * hr) * 8 + ((4 + t) ^ g)) * 16;
+    for (int q = 0; q < 4; ++q) {
+      // lane i copies group chunk i % 8 of row 4 q + i / 8, so each copy instruction reads four
+      // whole 128-byte lines (half lines, two instructions a line, kept DRAM 10-20 % slower)
+      const int row = 4 * q + (lane >> 3), ch = lane & 7;
+      wsrc[r][q] = wq + (row0 + row) * ldw + kbeg / 8 + 4 * ch;
+      wdst[r][q] = wbase + (row * 8 + (ch ^ (row & 7))) * 16;
     }
     // ldmatrix: lane i gives row (i % 8) of matrix i / 8, i.e. group chunk (4 h + i / 8) of row
     // 8 hr + i % 8; lane (g, t) receives word t of that chunk of row 8 hr + g
@@ -187,11 +188,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
 #pragma unroll
     for (int r = 0; r < R; ++r) {
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const uint32_t* src = wsrc[r][hr] + tile * BN * ldw + step * (STEP / 8);
-        cp16(wdst[r][hr][0] + off, src);
-        cp16(wdst[r][hr][1] + off, src + 16);
-      }
+      for (int q = 0; q < 4; ++q) cp16(wdst[r][q] + off, wsrc[r][q] + tile * BN * ldw + step * (STEP / 8));
       if (lane < 16) cp16(sdst[r] + off, ssrc[r] + tile * BN * lds + step * (STEP / 32));
     }
   };
