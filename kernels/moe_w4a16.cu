@@ -158,7 +158,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       // lane i copies group chunk i % 8 of row 4 q + i / 8, so each copy instruction reads four
-      // whole 128-byte lines (half lines, two instructions a line, kept DRAM 10-20 % slower)
+      // whole 128-byte lines (half lines, two instructions a line, fetched 6-16 % slower)
       const int row = 4 * q + (lane >> 3), ch = lane & 7;
       wsrc[r][q] = wq + (row0 + row) * ldw + kbeg / 8 + 4 * ch;
       wdst[r][q] = wbase + (row * 8 + (ch ^ (row & 7))) * 16;
