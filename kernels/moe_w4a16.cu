@@ -142,27 +142,30 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
   // (weights + 32 words a step, scales + 8, activations + STEP elements, group sums + 16) and the
   // tile's rows: computed once, so the copy phase of a step is its cp.async instructions and a few adds.
   constexpr int ACH = (TA + WARPS - 1) / WARPS;  // activation chunks (16 bytes) a thread copies a step (at most)
-  const uint32_t* wsrc[R][4];
-  uint32_t wdst[R][4];
   const uint16_t* ssrc[R];
   uint32_t sdst[R];
   uint32_t wld[R][4];  // ldmatrix addresses: rows g | g + 8 x groups 0-3 | 4-7
   const uint16_t* asrc[ACH];
   uint32_t adst[ACH];
   const uint32_t sm0 = smem_addr(smem);
+  // Weights: lane i copies group chunk i % 8 of rows 4 q + i / 8 (q = 0..3), so each copy
+  // instruction reads four whole 128-byte lines (half lines, two instructions a line, fetched 6-16 %
+  // slower). Quad q's chunk lands 512 q bytes into the strip's tile, at an offset within that which
+  // depends only on q's parity (the swizzle). The NT = 1 kernels (at most 165 registers) keep a
+  // source pointer a row quad; the NT >= 2 ones need all 255, so they keep one a strip and step it
+  // 4 q rows at each copy (spills 44-152 -> 0-80 bytes, up to 4 % faster; kernels/NOTES.md v11).
+  constexpr int WQ = NT == 1 ? 4 : 1;
+  const uint32_t* wsrc[R][WQ];
+  const int lr = lane >> 3, lch = lane & 7;
+  const uint32_t wdst[2] = {static_cast<uint32_t>((lr * 8 + (lch ^ lr)) * 16),
+                            static_cast<uint32_t>((lr * 8 + (lch ^ (4 + lr))) * 16)};
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int strip = warp * R + r;
     const uint32_t wbase = sm0 + strip * (16 * 8 * 16);
     const long long row0 = (long long)e * N + n0 + strip * 16;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      // lane i copies group chunk i % 8 of row 4 q + i / 8, so each copy instruction reads four
-      // whole 128-byte lines (half lines, two instructions a line, fetched 6-16 % slower)
-      const int row = 4 * q + (lane >> 3), ch = lane & 7;
-      wsrc[r][q] = wq + (row0 + row) * ldw + kbeg / 8 + 4 * ch;
-      wdst[r][q] = wbase + (row * 8 + (ch ^ (row & 7))) * 16;
-    }
+    for (int p = 0; p < WQ; ++p) wsrc[r][p] = wq + (row0 + 4 * p + lr) * ldw + kbeg / 8 + 4 * lch;
     // ldmatrix: lane i gives row (i % 8) of matrix i / 8, i.e. group chunk (4 h + i / 8) of row
     // 8 hr + i % 8; lane (g, t) receives word t of that chunk of row 8 hr + g
 #pragma unroll
@@ -188,7 +191,9 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
 #pragma unroll
     for (int r = 0; r < R; ++r) {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) cp16(wdst[r][q] + off, wsrc[r][q] + tile * BN * ldw + step * (STEP / 8));
+      for (int q = 0; q < 4; ++q)
+        cp16(sm0 + (warp * R + r) * (16 * 8 * 16) + q * 512 + wdst[q & 1] + off,
+             wsrc[r][q % WQ] + (tile * BN + 4 * (q - q % WQ)) * ldw + step * (STEP / 8));
       if (lane < 16) cp16(sdst[r] + off, ssrc[r] + tile * BN * lds + step * (STEP / 32));
     }
   };
