@@ -41,12 +41,13 @@ KERNELS = {(1, 4, 1, 2, 2, 8), (1, 4, 1, 3, 2, 8), (1, 4, 1, 4, 1, 8), (1, 4, 2,
 
 # By shape class, then the largest M of the bucket (M above the last bucket takes the last); None
 # would mean the Triton kernel is as fast or faster there. Picked from whole-MoE timings of
-# candidate configs on an H200 (NOTES.md v10): 4-warp tiles with 256-byte row reads (H = 2) and
-# one 8-slot block an expert up to M = 64, at M = 1 with stages holding one token's activations
-# (TA = 1: more CTAs' weights in flight), TP-8 shards with K split over CTAs at M <= 2 and the down pass
-# (K = 256, one step) walking 2-14 tiles a CTA so the ring stays full; warps of 2 strips from M =
-# 128, then 16- and 32-slot blocks (NT = 2, 4) at M = 512 and 1024 with 2-4 strips a warp, so each
-# activation fragment read from shared memory serves 32-64 rows.
+# candidate configs on an H200 (NOTES.md v10; v11 re-picked three down passes): 4-warp tiles with
+# 256-byte row reads (H = 2) and one 8-slot block an expert up to M = 64, at M = 1 with stages
+# holding one token's activations (TA = 1: more CTAs' weights in flight), TP-8 shards with K split
+# over CTAs at M <= 2 and the down pass (K = 256, one step) walking 2-14 tiles a CTA so the ring
+# stays full; warps of 2 strips from M = 128, then 16- and 32-slot blocks (NT = 2, 4) at M = 512 and
+# 1024 with 2-4 strips a warp, so each activation fragment read from shared memory serves 32-64
+# rows.
 CUDA_CONFIGS: dict[str, dict[int, dict[str, CudaConfig] | None]] = {
     "full": {1: {"gate_up": (1, 4, 1, 2, 2, 1, 1, 7168), "down": (1, 4, 1, 2, 2, 1, 2, 2048)},
              16: {"gate_up": (1, 4, 1, 2, 2, 8, 1, 7168), "down": (1, 4, 1, 2, 2, 8, 1, 2048)},

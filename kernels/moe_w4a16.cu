@@ -148,6 +148,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
   const uint16_t* asrc[ACH];
   uint32_t adst[ACH];
   const uint32_t sm0 = smem_addr(smem);
+  auto strip_smem = [&](int r) { return sm0 + (warp * R + r) * (16 * 8 * 16); };  // strip r's weight tile
   // Weights: lane i copies group chunk i % 8 of rows 4 q + i / 8 (q = 0..3), so each copy
   // instruction reads four whole 128-byte lines (half lines, two instructions a line, fetched 6-16 %
   // slower). Quad q's chunk lands 512 q bytes into the strip's tile, at an offset within that which
@@ -162,7 +163,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int strip = warp * R + r;
-    const uint32_t wbase = sm0 + strip * (16 * 8 * 16);
+    const uint32_t wbase = strip_smem(r);
     const long long row0 = (long long)e * N + n0 + strip * 16;
 #pragma unroll
     for (int p = 0; p < WQ; ++p) wsrc[r][p] = wq + (row0 + 4 * p + lr) * ldw + kbeg / 8 + 4 * lch;
@@ -192,7 +193,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
     for (int r = 0; r < R; ++r) {
 #pragma unroll
       for (int q = 0; q < 4; ++q)
-        cp16(sm0 + (warp * R + r) * (16 * 8 * 16) + q * 512 + wdst[q & 1] + off,
+        cp16(strip_smem(r) + q * 512 + wdst[q & 1] + off,
              wsrc[r][q % WQ] + (tile * BN + 4 * (q - q % WQ)) * ldw + step * (STEP / 8));
       if (lane < 16) cp16(sdst[r] + off, ssrc[r] + tile * BN * lds + step * (STEP / 32));
     }
