@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from engine import bench_e2e, bench_kernels
-from engine.bench_kernels import KernelBench
+from engine.bench_kernels import KernelBench, KernelProfile
 from engine.env import UsageError, check_arch, facts, fail, now_iso
 from kernels import ops
 
@@ -46,16 +46,29 @@ def tree_err(a: ops.Tree | tuple, b: ops.Tree | tuple) -> float:
     return 0.0 if all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(fa, fb)) else 1.0
 
 
+# M compared against the reference besides each sweep's smallest and largest: one in each range of
+# the CUDA MoE's configs of another kind (one-token stages, 8- and 16-slot blocks; 32 at the largest)
+COMPARE_M = (1, 16, 128, 512)
+
+
+def moe_shapes(p: KernelProfile, e2e_m: set[int]) -> list[tuple[int, int, bool]]:
+    """(tp, M, compare?) of the MoE check: the full shapes at the kernel suite's and the e2e suite's M,
+    then one TP-8 rank's shard at the shard sweep's M (its own configs)."""
+    out = []
+    for tp, ms in ((1, sorted(set(p.moe_m) | e2e_m)), (8, sorted(p.moe_tp_m))):
+        out += [(tp, m, m in COMPARE_M or m in (ms[0], ms[-1])) for m in ms]
+    return out
+
+
 def cases(kb: KernelBench, device: torch.device) -> dict[str, list[tuple[Callable[[str], Any], bool]]]:
     """Per kernel: (run(impl), compare-with-reference?) at every bench shape."""
     p = kb.p
     out: dict[str, list] = {k: [] for k in MODULES}
-    moe_m = sorted(set(p.moe_m) | _e2e_moe_m(device))
-    for m in moe_m:
-        def moe(impl: str, m: int = m) -> Any:
+    for tp, m, compare in moe_shapes(p, _e2e_moe_m(device)):
+        def moe(impl: str, m: int = m, tp: int = tp) -> Any:
             x, ids, tw = kb.moe_inputs(m)
-            return ops.moe_w4a16(x, *kb.moe_weights(), ids, tw, impl=impl)
-        out["moe_w4a16"].append((moe, m in (1, 16, 128) or m == moe_m[0]))
+            return ops.moe_w4a16(x, *kb.moe_weights(tp), ids, tw, impl=impl)
+        out["moe_w4a16"].append((moe, compare))
     for b, n, c in p.attn:
         def att(impl: str, b: int = b, n: int = n, c: int = c) -> Any:
             return ops.mla_tree_attention(*kb.attention_inputs(b, n, c), impl=impl)

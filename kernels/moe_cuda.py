@@ -31,39 +31,43 @@ AROW = 512 + 64  # bytes per token row of a stage's activations (the kernel's AR
 XREC = 32  # bytes of one token's group sums a step (the kernel's XREC)
 MAX_EXPERTS = 1024  # moe_align's one-CTA table
 
-# (NT, WARPS, R, STAGES, H, TA, SPAN, KS): 8 * NT slots per block, WARPS warps of R strips of 16
-# rows (a tile), a STAGES-deep cp.async ring of H K steps a stage holding the activations of TA
-# tokens (8 * NT, or fewer at decode sizes: M <= TA), SPAN tiles one after the other per CTA, KS of
-# K per CTA (K / KS splits). The first six name a kernel that moe_w4a16.cu instantiates (KERNELS).
-CudaConfig = tuple[int, int, int, int, int, int, int, int]
-KERNELS = {(1, 4, 1, 2, 2, 8), (1, 4, 1, 3, 2, 8), (1, 4, 1, 4, 1, 8), (1, 4, 2, 3, 1, 8), (2, 4, 2, 3, 1, 16),
-           (2, 4, 4, 2, 1, 16), (4, 4, 2, 2, 1, 32), (4, 4, 2, 3, 1, 32), (1, 4, 1, 2, 2, 1), (1, 4, 1, 4, 1, 1)}
+# (NT, WARPS, R, STAGES, H, TA, SC, SPAN, KS): 8 * NT slots per block, WARPS warps of R strips of
+# 16 rows (a tile), a STAGES-deep cp.async ring of H K steps a stage holding the activations of TA
+# tokens (8 * NT, or fewer at decode sizes: M <= TA), SC 1 for weights scaled before the MMA (0:
+# the sums scaled after it, moe_w4a16.cu's top says when which), SPAN tiles one after the other per
+# CTA, KS of K per CTA (K / KS splits). The first seven name a kernel that moe_w4a16.cu
+# instantiates (KERNELS).
+CudaConfig = tuple[int, int, int, int, int, int, int, int, int]
+KERNELS = {(1, 4, 1, 2, 2, 1, 0), (1, 4, 1, 2, 2, 8, 0), (1, 4, 1, 3, 2, 8, 0), (1, 4, 1, 4, 1, 1, 0),
+           (1, 4, 1, 4, 1, 8, 0), (1, 4, 2, 2, 1, 8, 1), (1, 4, 2, 3, 1, 8, 0), (2, 4, 2, 2, 1, 16, 1),
+           (2, 4, 4, 2, 1, 16, 0), (4, 4, 2, 2, 1, 32, 1), (4, 4, 4, 2, 1, 32, 1)}
 
 # By shape class, then the largest M of the bucket (M above the last bucket takes the last); None
 # would mean the Triton kernel is as fast or faster there. Picked from whole-MoE timings of
-# candidate configs on an H200 (NOTES.md v10; v11 re-picked three down passes): 4-warp tiles with
-# 256-byte row reads (H = 2) and one 8-slot block an expert up to M = 64, at M = 1 with stages
-# holding one token's activations (TA = 1: more CTAs' weights in flight), TP-8 shards with K split
-# over CTAs at M <= 2 and the down pass (K = 256, one step) walking 2-14 tiles a CTA so the ring
-# stays full; warps of 2 strips from M = 128, then 16- and 32-slot blocks (NT = 2, 4) at M = 512 and
-# 1024 with 2-4 strips a warp, so each activation fragment read from shared memory serves 32-64
-# rows.
+# candidate configs on an H200 (NOTES.md v10; v11 re-picked three down passes, v12 the SC ones):
+# 4-warp tiles with 256-byte row reads (H = 2) and one 8-slot block an expert up to M = 64, at M = 1
+# with stages holding one token's activations (TA = 1: more CTAs' weights in flight), TP-8 shards
+# with K split over CTAs at M <= 2 and the down pass (K = 256, one step) walking 2-14 tiles a CTA so
+# the ring stays full; warps of 2 strips from M = 128, then 16- and 32-slot blocks (NT = 2, 4) at
+# M = 512 and 1024 with 2-4 strips a warp, so each activation fragment read from shared memory
+# serves 32-64 rows. Weights scaled before the MMA (SC = 1) where that timed faster: every 32-slot
+# pass, the TP-8 16-slot ones and the TP-8 down pass from M = 17 (15-19 % at M = 700..1500).
 CUDA_CONFIGS: dict[str, dict[int, dict[str, CudaConfig] | None]] = {
-    "full": {1: {"gate_up": (1, 4, 1, 2, 2, 1, 1, 7168), "down": (1, 4, 1, 2, 2, 1, 2, 2048)},
-             16: {"gate_up": (1, 4, 1, 2, 2, 8, 1, 7168), "down": (1, 4, 1, 2, 2, 8, 1, 2048)},
-             32: {"gate_up": (1, 4, 1, 2, 2, 8, 1, 7168), "down": (1, 4, 1, 2, 2, 8, 2, 2048)},
-             64: {"gate_up": (1, 4, 1, 2, 2, 8, 1, 7168), "down": (1, 4, 1, 4, 1, 8, 1, 2048)},
-             256: {"gate_up": (1, 4, 2, 3, 1, 8, 1, 7168), "down": (1, 4, 2, 3, 1, 8, 2, 2048)},
-             512: {"gate_up": (2, 4, 4, 2, 1, 16, 1, 7168), "down": (2, 4, 4, 2, 1, 16, 1, 2048)},
-             1024: {"gate_up": (4, 4, 2, 3, 1, 32, 1, 7168), "down": (4, 4, 2, 2, 1, 32, 1, 2048)}},
-    "shard": {1: {"gate_up": (1, 4, 1, 4, 1, 8, 1, 1792), "down": (1, 4, 1, 4, 1, 1, 2, 256)},
-              2: {"gate_up": (1, 4, 1, 4, 1, 8, 1, 1792), "down": (1, 4, 1, 4, 1, 8, 4, 256)},
-              4: {"gate_up": (1, 4, 1, 3, 2, 8, 1, 7168), "down": (1, 4, 1, 4, 1, 8, 8, 256)},
-              8: {"gate_up": (1, 4, 1, 2, 2, 8, 1, 7168), "down": (1, 4, 1, 4, 1, 8, 14, 256)},
-              16: {"gate_up": (1, 4, 1, 2, 2, 8, 1, 3584), "down": (1, 4, 2, 3, 1, 8, 8, 256)},
-              256: {"gate_up": (1, 4, 1, 2, 2, 8, 1, 7168), "down": (1, 4, 2, 3, 1, 8, 8, 256)},
-              512: {"gate_up": (2, 4, 2, 3, 1, 16, 1, 7168), "down": (2, 4, 4, 2, 1, 16, 4, 256)},
-              1024: {"gate_up": (4, 4, 2, 2, 1, 32, 1, 7168), "down": (4, 4, 2, 2, 1, 32, 8, 256)}},
+    "full": {1: {"gate_up": (1, 4, 1, 2, 2, 1, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 1, 0, 2, 2048)},
+             16: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 8, 0, 1, 2048)},
+             32: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 8, 0, 2, 2048)},
+             64: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 4, 1, 8, 0, 1, 2048)},
+             256: {"gate_up": (1, 4, 2, 3, 1, 8, 0, 1, 7168), "down": (1, 4, 2, 3, 1, 8, 0, 2, 2048)},
+             512: {"gate_up": (2, 4, 4, 2, 1, 16, 0, 1, 7168), "down": (2, 4, 4, 2, 1, 16, 0, 1, 2048)},
+             1024: {"gate_up": (4, 4, 4, 2, 1, 32, 1, 1, 7168), "down": (4, 4, 4, 2, 1, 32, 1, 2, 2048)}},
+    "shard": {1: {"gate_up": (1, 4, 1, 4, 1, 8, 0, 1, 1792), "down": (1, 4, 1, 4, 1, 1, 0, 2, 256)},
+              2: {"gate_up": (1, 4, 1, 4, 1, 8, 0, 1, 1792), "down": (1, 4, 1, 4, 1, 8, 0, 4, 256)},
+              4: {"gate_up": (1, 4, 1, 3, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 4, 1, 8, 0, 8, 256)},
+              8: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 4, 1, 8, 0, 14, 256)},
+              16: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 3584), "down": (1, 4, 2, 3, 1, 8, 0, 8, 256)},
+              256: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 2, 2, 1, 8, 1, 8, 256)},
+              512: {"gate_up": (2, 4, 2, 2, 1, 16, 1, 1, 7168), "down": (2, 4, 2, 2, 1, 16, 1, 8, 256)},
+              1024: {"gate_up": (4, 4, 4, 2, 1, 32, 1, 1, 7168), "down": (4, 4, 2, 2, 1, 32, 1, 8, 256)}},
 }
 
 
@@ -75,15 +79,15 @@ def cuda_config(m: int, inter: int) -> dict[str, CudaConfig] | None:
 
 
 def kernel_name(cfg: CudaConfig) -> str:
-    nt, warps, r, stages, h, ta = cfg[:6]
-    return f"moe_w4a16_nt{nt}_w{warps}_r{r}_s{stages}_h{h}_a{ta}"
+    nt, warps, r, stages, h, ta, sc = cfg[:7]
+    return f"moe_w4a16_nt{nt}_w{warps}_r{r}_s{stages}_h{h}_a{ta}_sc{sc}"
 
 
 def smem_bytes(cfg: CudaConfig, k: int) -> int:
     """Dynamic shared memory of a config on K = k: (weights + scales + activations + group sums) of
     one K step, times the ring stages a CTA's steps can fill (one tile of one step needs one: more
     CTAs fit an SM)."""
-    nt, warps, r, stages, h, ta, span, ks = cfg
+    nt, warps, r, stages, h, ta, sc, span, ks = cfg
     strips = warps * r
     sub = strips * 16 * 8 * 16 + strips * 16 * 16 + ta * (AROW + XREC)
     return min(stages, span * (min(ks, k) // (STEP * h))) * h * sub
@@ -91,9 +95,9 @@ def smem_bytes(cfg: CudaConfig, k: int) -> int:
 
 def fits(cfg: CudaConfig, n: int, k: int) -> bool:
     """Whether a config runs on an [n, k] weight: whole spans of row tiles, whole stages and splits of K."""
-    nt, warps, r, stages, h, ta, span, ks = cfg
+    nt, warps, r, stages, h, ta, sc, span, ks = cfg
     ks = min(ks, k)
-    return (tuple(cfg[:6]) in KERNELS and n % (warps * r * 16 * span) == 0 and ks % (STEP * h) == 0
+    return (tuple(cfg[:7]) in KERNELS and n % (warps * r * 16 * span) == 0 and ks % (STEP * h) == 0
             and k % ks == 0)
 
 
@@ -181,7 +185,7 @@ def _pass(a: Prepared, wq: Tensor, ws: Tensor, tw: Tensor, n: int, k: int, a_row
           weighted: bool, cfg: CudaConfig, table: Table, s: int, early: bool) -> Tensor:
     """fp32 partials [K / KS, slots, n] of one projection; `early`: the table was finished before
     the launch before this one (the down pass), so the first weight stages load before the wait."""
-    nt, warps, r, stages, h, ta, span, ks = cfg
+    nt, warps, r, stages, h, ta, sc, span, ks = cfg
     ks = min(ks, k)
     slots, seg, cnt, bexp, bms, ub = table
     part = torch.empty(k // ks, s, n, dtype=torch.float32, device=wq.device)

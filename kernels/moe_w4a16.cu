@@ -16,6 +16,12 @@
 // (shifted by 4j) into bf16 (136 + q_j, 136 + q_(j+4)) exactly, so the MMAs sum (136 + q) x; the
 // offset is removed with the activations' group sums X (emit_word): out = sum_G s_G (A_G -
 // 136 X_G), the second term by one more MMA a step over the scales and X split into two bf16s.
+// That costs an fp32 FMA per output and group, and registers for the per-group sums and the
+// offset term. SC kernels scale the weights before the MMA instead: q s rounded once to bf16 (an
+// exact subtraction of 136, then one multiply a pair; the Triton kernel's numerics), and the MMAs
+// sum straight into the accumulators. More dequant work, no FMAs, no offset term and its group
+// sums: at 32 slots and 2 strips a warp 148 registers instead of 255, 15-19 % faster whole MoE at
+// M = 700..1500; norm error 4.0e-3 against 2.6e-3 (kernels/NOTES.md v12).
 // The activations come permuted within each word, (0, 4, 1, 5, 2, 6, 3, 7), to match the pairs.
 // Weights, scales, activations and group sums stream through a STAGES-deep cp.async ring of H K
 // steps a stage, running on from one tile to the next.
@@ -80,12 +86,22 @@ __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// pair(v) (136 + q bf16 pair) -> the bf16 pair q s for s2 = (s, s): the subtraction is exact
+__device__ __forceinline__ uint32_t scaled(uint32_t x, uint32_t s2) {
+  uint32_t q;
+  asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(q) : "r"(x), "r"(0x43084308u));  // 0x4308 = bf16 136
+  asm("mul.rn.bf16x2 %0, %0, %1;\n" : "+r"(q) : "r"(s2));
+  return q;
+}
+// scale i (0: low, 1: high half) of a bf16 pair, in both halves
+__device__ __forceinline__ uint32_t dup(uint32_t v, int i) { return __byte_perm(v, v, i ? 0x7632 : 0x5410); }
+
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
 
 // Shared-memory stage: H sub-steps of one K step each, a sub-step = weights [STRIPS][16 rows][8
 // group chunks, swizzled by row % 8] uint4, scales [STRIPS][16 rows][8] bf16, activations
-// [TA][AROW bytes] (natural order), group sums [TA][XREC bytes]. H > 1 asks for H * 128
+// [TA][AROW bytes] (natural order), group sums [TA][XREC bytes] (unread by SC). H > 1 asks for H * 128
 // contiguous bytes of each weight row at once (fewer DRAM page openings per byte).
 template <int NT, int WARPS, int R, int H, int TA>
 struct Stage {
@@ -98,7 +114,7 @@ struct Stage {
   static constexpr int BYTES = H * SUB;
 };
 
-template <int NT, int WARPS, int R, int STAGES, int H, int TA>
+template <int NT, int WARPS, int R, int STAGES, int H, int TA, bool SC>
 __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const uint16_t* __restrict__ xs,
                                          const uint32_t* __restrict__ wq, const uint16_t* __restrict__ ws,
                                          float* __restrict__ part, const float* __restrict__ tw,
@@ -184,7 +200,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
     adst[i] = sm0 + St::W_BYTES + St::S_BYTES + tok * AROW + ch * 16;       // their outputs are never stored
   }
   const int xtok = tid >> 1;  // threads 0 .. 2 TA - 1 copy the group sums, 16 bytes each
-  const uint16_t* xsrc = tid < 2 * TA && xtok < nvalid ? xs + arow_of[xtok] * ldx + kbeg / 16 + (tid & 1) * 8
+  const uint16_t* xsrc = !SC && tid < 2 * TA && xtok < nvalid ? xs + arow_of[xtok] * ldx + kbeg / 16 + (tid & 1) * 8
                                                        : nullptr;
   const uint32_t xdst = sm0 + St::W_BYTES + St::S_BYTES + St::A_BYTES + tid * 16;
 
@@ -240,8 +256,8 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const int row = (warp * R + r) * 16;
-          out[row] = fmaf(-136.f, cor[r][n][j], acc[r][n][j]) * wgt;
-          out[row + 8] = fmaf(-136.f, cor[r][n][2 + j], acc[r][n][2 + j]) * wgt;
+          out[row] = (SC ? acc[r][n][j] : fmaf(-136.f, cor[r][n][j], acc[r][n][j])) * wgt;
+          out[row + 8] = (SC ? acc[r][n][2 + j] : fmaf(-136.f, cor[r][n][2 + j], acc[r][n][2 + j])) * wgt;
         }
       }
   };
@@ -293,7 +309,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
         }
       }
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
+      for (int n = 0; n < NT && !SC; ++n) {
         const uint2 xr = *reinterpret_cast<const uint2*>(xsm + trow(n) * XREC + 8 * t);  // (hi, lo) pairs
 #pragma unroll
         for (int r = 0; r < R; ++r) mma(cor[r][n], sp[r][0], sp[r][1], sp[r][0], sp[r][1], xr.x, xr.y);
@@ -307,19 +323,32 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const uint32_t va = w[r][0][G], vb = w[r][1][G];
-          const uint32_t a0 = pair<0>(va), a1 = pair<1>(va), a2 = pair<2>(va), a3 = pair<3>(va);
-          const uint32_t b0 = pair<0>(vb), b1 = pair<1>(vb), b2 = pair<2>(vb), b3 = pair<3>(vb);
-          const uint32_t swa = sv[r][0][G >> 1], swb = sv[r][1][G >> 1];
-          const float sa = (G & 1) ? bf16_hi(swa) : bf16_lo(swa), sb = (G & 1) ? bf16_hi(swb) : bf16_lo(swb);
+          if constexpr (SC) {
+            const uint32_t sa = dup(sv[r][0][G >> 1], G & 1), sb = dup(sv[r][1][G >> 1], G & 1);
+            const uint32_t a0 = scaled(pair<0>(va), sa), a1 = scaled(pair<1>(va), sa),
+                           a2 = scaled(pair<2>(va), sa), a3 = scaled(pair<3>(va), sa);
+            const uint32_t b0 = scaled(pair<0>(vb), sb), b1 = scaled(pair<1>(vb), sb),
+                           b2 = scaled(pair<2>(vb), sb), b3 = scaled(pair<3>(vb), sb);
 #pragma unroll
-          for (int n = 0; n < NT; ++n) {
-            float d[4] = {0.f, 0.f, 0.f, 0.f};
-            mma(d, a0, b0, a1, b1, x[n].x, x[n].y);
-            mma(d, a2, b2, a3, b3, x[n].z, x[n].w);
-            acc[r][n][0] = fmaf(sa, d[0], acc[r][n][0]);
-            acc[r][n][1] = fmaf(sa, d[1], acc[r][n][1]);
-            acc[r][n][2] = fmaf(sb, d[2], acc[r][n][2]);
-            acc[r][n][3] = fmaf(sb, d[3], acc[r][n][3]);
+            for (int n = 0; n < NT; ++n) {
+              mma(acc[r][n], a0, b0, a1, b1, x[n].x, x[n].y);
+              mma(acc[r][n], a2, b2, a3, b3, x[n].z, x[n].w);
+            }
+          } else {
+            const uint32_t a0 = pair<0>(va), a1 = pair<1>(va), a2 = pair<2>(va), a3 = pair<3>(va);
+            const uint32_t b0 = pair<0>(vb), b1 = pair<1>(vb), b2 = pair<2>(vb), b3 = pair<3>(vb);
+            const uint32_t swa = sv[r][0][G >> 1], swb = sv[r][1][G >> 1];
+            const float sa = (G & 1) ? bf16_hi(swa) : bf16_lo(swa), sb = (G & 1) ? bf16_hi(swb) : bf16_lo(swb);
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+              float d[4] = {0.f, 0.f, 0.f, 0.f};
+              mma(d, a0, b0, a1, b1, x[n].x, x[n].y);
+              mma(d, a2, b2, a3, b3, x[n].z, x[n].w);
+              acc[r][n][0] = fmaf(sa, d[0], acc[r][n][0]);
+              acc[r][n][1] = fmaf(sa, d[1], acc[r][n][1]);
+              acc[r][n][2] = fmaf(sb, d[2], acc[r][n][2]);
+              acc[r][n][3] = fmaf(sb, d[3], acc[r][n][3]);
+            }
           }
         }
       }
@@ -494,24 +523,25 @@ extern "C" __global__ void __launch_bounds__(1024)
   }
 }
 
-#define MOE_KERNEL(NT, WARPS, R, STAGES, H, TA)                                                              \
+#define MOE_KERNEL(NT, WARPS, R, STAGES, H, TA, SC)                                                          \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
-      moe_w4a16_nt##NT##_w##WARPS##_r##R##_s##STAGES##_h##H##_a##TA(                                        \
+      moe_w4a16_nt##NT##_w##WARPS##_r##R##_s##STAGES##_h##H##_a##TA##_sc##SC(                               \
       const uint16_t* a, const uint16_t* xs, const uint32_t* wq, const uint16_t* ws, float* part,         \
       const float* tw, const int* slots, const int* seg, const int* cnt, const int* bexp, const int* bms,  \
       int S, int N, int K, int KS, int span, int a_rows_per_slot, int E, int weighted, int early) {        \
-    moe_gemm<NT, WARPS, R, STAGES, H, TA>(a, xs, wq, ws, part, tw, slots, seg, cnt, bexp, bms, S, N, K, KS,    \
-                                      span, a_rows_per_slot, E, weighted, early);                          \
+    moe_gemm<NT, WARPS, R, STAGES, H, TA, SC>(a, xs, wq, ws, part, tw, slots, seg, cnt, bexp, bms, S, N, K, KS, \
+                                          span, a_rows_per_slot, E, weighted, early);                      \
   }
 
 // The configs kernels/moe_cuda.py may pick (KERNELS there lists the same names).
-MOE_KERNEL(1, 4, 1, 2, 2, 8)
-MOE_KERNEL(1, 4, 1, 3, 2, 8)
-MOE_KERNEL(1, 4, 1, 4, 1, 8)
-MOE_KERNEL(1, 4, 2, 3, 1, 8)
-MOE_KERNEL(2, 4, 2, 3, 1, 16)
-MOE_KERNEL(2, 4, 4, 2, 1, 16)
-MOE_KERNEL(4, 4, 2, 2, 1, 32)
-MOE_KERNEL(4, 4, 2, 3, 1, 32)
-MOE_KERNEL(1, 4, 1, 2, 2, 1)
-MOE_KERNEL(1, 4, 1, 4, 1, 1)
+MOE_KERNEL(1, 4, 1, 2, 2, 1, 0)
+MOE_KERNEL(1, 4, 1, 2, 2, 8, 0)
+MOE_KERNEL(1, 4, 1, 3, 2, 8, 0)
+MOE_KERNEL(1, 4, 1, 4, 1, 1, 0)
+MOE_KERNEL(1, 4, 1, 4, 1, 8, 0)
+MOE_KERNEL(1, 4, 2, 2, 1, 8, 1)
+MOE_KERNEL(1, 4, 2, 3, 1, 8, 0)
+MOE_KERNEL(2, 4, 2, 2, 1, 16, 1)
+MOE_KERNEL(2, 4, 4, 2, 1, 16, 0)
+MOE_KERNEL(4, 4, 2, 2, 1, 32, 1)
+MOE_KERNEL(4, 4, 4, 2, 1, 32, 1)

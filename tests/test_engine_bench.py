@@ -159,6 +159,22 @@ def test_build_cpu_checks_references(tmp_path):
     assert {v["status"] for v in body["kernels"].values()} == {"reference"}
 
 
+def test_build_compares_the_moe_at_each_kind_of_config_of_both_shape_classes():
+    """The CUDA MoE runs other configs (one-token stages, 8- / 16- / 32-slot blocks, weights scaled
+    before or after the MMA) by M and by shape class: the GPU build compares one M of each against
+    the reference, at the full shapes and at one TP-8 rank's shard, and runs every bench M once."""
+    from engine import build
+    from engine.bench_kernels import PROFILES
+
+    p = PROFILES[("cuda", "full")]
+    shapes = build.moe_shapes(p, {1, 16, 17, 272})
+    compared = {(tp, m) for tp, m, c in shapes if c}
+    assert compared == {(tp, m) for tp in (1, 8) for m in (1, 16, 128, 512, 1024)}
+    assert [(tp, m) for tp, m, _ in shapes] == ([(1, m) for m in sorted({*p.moe_m, 17, 272})]
+                                                + [(8, m) for m in sorted(p.moe_tp_m)])
+    assert all(tp == 1 for tp, _, _ in build.moe_shapes(PROFILES[("cpu", "full")], set())), "no shard on the CPU"
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["-m", "engine.build", "--arch", "sm_90"], "no CUDA GPU"),
     (["-m", "engine.bench", "--suite", "kernels", "--profile", "smoke", "--host", "h", "--device", "cuda"], "no CUDA GPU"),

@@ -75,7 +75,8 @@ def test_cubin_is_cached_by_content(no_nvcc: None, monkeypatch: pytest.MonkeyPat
 
 def test_config_table_names_instantiated_kernels_that_tile_k2() -> None:
     made = {tuple(int(v) for v in m.groups())
-            for m in re.finditer(r"^MOE_KERNEL\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)", SOURCE.read_text(), re.M)}
+            for m in re.finditer(r"^MOE_KERNEL\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01])\)", SOURCE.read_text(),
+                                 re.M)}
     assert made == moe_cuda.KERNELS
     for cls, table in moe_cuda.CUDA_CONFIGS.items():
         inter, hidden = SHAPES[cls]
@@ -88,8 +89,10 @@ def test_config_table_names_instantiated_kernels_that_tile_k2() -> None:
             assert moe_cuda.smem_bytes(cfg["down"], inter) <= 227 * 1024, (cls, bucket)
     assert moe_cuda.cuda_config(2, 2048) == moe_cuda.cuda_config(16, 2048) != moe_cuda.cuda_config(17, 2048)
     assert moe_cuda.cuda_config(4096, 256) == moe_cuda.cuda_config(1024, 256)  # above the last bucket: the last one's
-    assert not moe_cuda.fits((1, 4, 1, 4, 1, 8, 3, 256), 7168, 256), "3 tiles of 64 rows do not tile N = 7168"
-    assert not moe_cuda.fits((1, 4, 1, 2, 2, 8, 1, 256), 7168, 256), "H = 2 needs K chunks of 512"
+    assert not moe_cuda.fits((1, 4, 1, 4, 1, 8, 0, 3, 256), 7168, 256), "3 tiles of 64 rows do not tile N = 7168"
+    assert not moe_cuda.fits((1, 4, 1, 2, 2, 8, 0, 1, 256), 7168, 256), "H = 2 needs K chunks of 512"
+    assert moe_cuda.fits((1, 4, 1, 4, 1, 8, 0, 1, 256), 7168, 256)
+    assert not moe_cuda.fits((1, 4, 1, 4, 1, 8, 1, 1, 256), 7168, 256), "the scale form is part of the kernel"
 
 
 def test_ops_names_the_impl_that_runs() -> None:
@@ -115,11 +118,11 @@ def test_real_nvcc_builds_every_listed_kernel(monkeypatch: pytest.MonkeyPatch, t
 
 def test_a_one_step_chunk_asks_for_one_ring_stage() -> None:
     """The TP-8 down pass (K = 256) fills one stage: asking for all four would cap CTAs per SM."""
-    cfg = (1, 4, 1, 4, 1, 8, 1, 2048)
+    cfg = (1, 4, 1, 4, 1, 8, 0, 1, 2048)
     assert moe_cuda.smem_bytes(cfg, 256) * 4 == moe_cuda.smem_bytes(cfg, 2048)
-    assert moe_cuda.smem_bytes((1, 4, 1, 4, 1, 8, 1, 512), 2048) * 2 == moe_cuda.smem_bytes(cfg, 2048)
-    assert moe_cuda.smem_bytes((1, 4, 1, 2, 2, 8, 1, 2048), 2048) == moe_cuda.smem_bytes(cfg, 2048)
-    assert moe_cuda.smem_bytes((1, 4, 1, 4, 1, 8, 4, 256), 256) == moe_cuda.smem_bytes(cfg, 2048), "tiles fill the ring"
+    assert moe_cuda.smem_bytes((1, 4, 1, 4, 1, 8, 0, 1, 512), 2048) * 2 == moe_cuda.smem_bytes(cfg, 2048)
+    assert moe_cuda.smem_bytes((1, 4, 1, 2, 2, 8, 0, 1, 2048), 2048) == moe_cuda.smem_bytes(cfg, 2048)
+    assert moe_cuda.smem_bytes((1, 4, 1, 4, 1, 8, 0, 4, 256), 256) == moe_cuda.smem_bytes(cfg, 2048), "tiles fill the ring"
 
 
 def test_kernel_arguments_are_device_pointers_ints_or_null() -> None:
@@ -164,7 +167,7 @@ def test_every_launch_waits_for_the_kernel_before_it() -> None:
 
 def test_a_stage_of_one_token_serves_only_m_1(monkeypatch: pytest.MonkeyPatch) -> None:
     """TA = 1 stages hold one token's activations: right only while no expert has two tokens (M = 1)."""
-    one = {"gate_up": (1, 4, 1, 2, 2, 1, 1, 7168), "down": (1, 4, 1, 2, 2, 1, 2, 2048)}
+    one = {"gate_up": (1, 4, 1, 2, 2, 1, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 1, 0, 2, 2048)}
     w13 = torch.empty(384, 4096, 896, dtype=torch.int32, device="meta")  # shapes, no memory
     w2 = torch.empty(384, 7168, 256, dtype=torch.int32, device="meta")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the shape rules only
