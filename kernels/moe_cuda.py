@@ -36,11 +36,8 @@ MAX_EXPERTS = 1024  # moe_align's one-CTA table
 # tokens (8 * NT, or fewer at decode sizes: M <= TA), SC 1 for weights scaled before the MMA (0:
 # the sums scaled after it, moe_w4a16.cu's top says when which), SPAN tiles one after the other per
 # CTA, KS of K per CTA (K / KS splits). The first seven name a kernel that moe_w4a16.cu
-# instantiates (KERNELS).
+# instantiates (KERNELS, below).
 CudaConfig = tuple[int, int, int, int, int, int, int, int, int]
-KERNELS = {(1, 4, 1, 2, 2, 1, 0), (1, 4, 1, 2, 2, 8, 0), (1, 4, 1, 3, 2, 8, 0), (1, 4, 1, 4, 1, 1, 0),
-           (1, 4, 1, 4, 1, 8, 0), (1, 4, 2, 2, 1, 8, 1), (1, 4, 2, 3, 1, 8, 0), (2, 4, 2, 2, 1, 16, 1),
-           (2, 4, 4, 2, 1, 16, 0), (4, 4, 2, 2, 1, 32, 1), (4, 4, 4, 2, 1, 32, 1)}
 
 # By shape class, then the largest M of the bucket (M above the last bucket takes the last); None
 # would mean the Triton kernel is as fast or faster there. Picked from whole-MoE timings of
@@ -69,6 +66,8 @@ CUDA_CONFIGS: dict[str, dict[int, dict[str, CudaConfig] | None]] = {
               512: {"gate_up": (2, 4, 2, 2, 1, 16, 1, 1, 7168), "down": (2, 4, 2, 2, 1, 16, 1, 8, 256)},
               1024: {"gate_up": (4, 4, 4, 2, 1, 32, 1, 1, 7168), "down": (4, 4, 2, 2, 1, 32, 1, 8, 256)}},
 }
+# The kernels moe_w4a16.cu instantiates: exactly those the table picks (a test reads the source).
+KERNELS = {cfg[:7] for table in CUDA_CONFIGS.values() for bucket in table.values() if bucket for cfg in bucket.values()}
 
 
 def cuda_config(m: int, inter: int) -> dict[str, CudaConfig] | None:
