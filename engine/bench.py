@@ -30,7 +30,7 @@ from engine import tp as tpar
 from engine.config import CONFIGS, make_config
 from engine.env import UsageError, facts, fail, now_iso, pick_device
 from engine.results import SuiteWriter, Terminated, install_signal_handlers
-from engine.timing import copy_gbps, matmul_tflops
+from engine.timing import METHOD as TIMING_METHOD, copy_gbps, matmul_tflops
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}\Z")
 
@@ -118,6 +118,8 @@ def run_suite(a: argparse.Namespace, device: torch.device, prov: dict) -> int:
     if a.suite == "kernels":
         kb = bench_kernels.KernelBench(bench_kernels.PROFILES[key], device)
         points, note = kb.points(), f"kernels at {kb.p.cfg.name} shapes, {str(kb.dtype).removeprefix('torch.')}"
+        if device.type == "cuda":
+            note += f"; {TIMING_METHOD}"
     else:
         eb = bench_e2e.E2EBench(e2e_profile(a, device), device, layers=a.layers, vocab=a.vocab, comm=a.comm_model)
         points, note = eb.points(), eb.note()

@@ -1,8 +1,8 @@
 """Kernel timing and the device's own ceilings.
 
-On CUDA: warm-up, then per repeat an L2 flush (a buffer larger than L2 is zeroed) followed by a
-pair of device events around the op, replayed from a CUDA graph when the op allows capture
-(launch gaps would otherwise dominate small ops), eager otherwise. On the CPU: perf_counter
+On CUDA: warm-up, then per repeat an L2 flush (`flush_l2`: a buffer larger than L2 is read)
+followed by a pair of device events around the op, replayed from a CUDA graph when the op allows
+capture (launch gaps would otherwise dominate small ops), eager otherwise. On the CPU: perf_counter
 around each call; those rows carry device "cpu".
 """
 
@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 FLUSH_BYTES = 256 << 20  # > L2 of every GPU in the fleet (H200 50 MB, B300 ~128 MB)
+METHOD = (f"CUDA-graph replays (eager where an op cannot be captured), median, each after a read of "
+          f"{FLUSH_BYTES >> 20} MB (L2 cold and clean)")
 
 
 @dataclass
@@ -70,6 +72,16 @@ def _try_graph(fn: Callable[[], object], device: torch.device) -> "torch.cuda.CU
         return None
 
 
+def flush_l2(scratch: torch.Tensor) -> None:
+    """Evict L2 by reading `scratch` (larger than L2), leaving it holding clean lines.
+
+    Why a read: zeroing the buffer (Triton do_bench's flush) leaves L2 full of dirty lines, and the
+    timed op pays for writing them back: on an H200, 8.5 us of a 68 us MoE call at M = 1
+    (kernels/NOTES.md v13). Before a layer of a real step L2 holds mostly clean lines.
+    """
+    scratch.max()
+
+
 def time_op(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3,
             graph: bool = True, flush: bool = True) -> Timing:
     """Per-call time of fn on `device` (see module doc)."""
@@ -89,7 +101,7 @@ def time_op(fn: Callable[[], object], device: torch.device, repeats: int, warmup
     pairs = []
     for _ in range(repeats):
         if scratch is not None:
-            scratch.zero_()
+            flush_l2(scratch)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         run()

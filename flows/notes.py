@@ -48,7 +48,7 @@ PLATEAU = 0.9           # plateau M: first M reaching this fraction of the best 
 SUITES = ("kernels", "e2e", "comm")
 SHARD_TP = 8            # the shard an 8-GPU box runs: its MoE table is expected beside the full shapes
 HASH_CHARS = 12         # of a payload hash in the run history
-METHOD_CHARS = 2000     # of a run's own note on how its e2e figures were made
+METHOD_CHARS = 2000     # of a run's own note on how its figures were made (e2e and kernel suites)
 GIT_ENV = {"GIT_AUTHOR_NAME": "kdbench", "GIT_AUTHOR_EMAIL": "kdbench@localhost",
            "GIT_COMMITTER_NAME": "kdbench", "GIT_COMMITTER_EMAIL": "kdbench@localhost"}
 
@@ -469,6 +469,7 @@ class MoeView:
     tables: tuple[MoeTable, ...]
     plots: tuple[tuple[str, str], ...]            # (alt text, relative path)
     missing_shard: int | None = None              # the shard degree an 8-GPU box runs, when not measured
+    method: str | None = None                     # the kernel suite's own note in that run: how it timed
 
 
 @dataclass(frozen=True)
@@ -678,9 +679,10 @@ def moe_view(view: HostView, out_dir: Path, rel: str) -> MoeView:
     plots.lines(out_dir / "moe_us_per_token.png", per_token, f"{name}: time per token", "M (tokens)",
                 "us / token", logy=True)
     plots.lines(out_dir / "moe_pct_peak_bw.png", pct, f"{name}: bandwidth", "M (tokens)", "% of peak")
+    note = None if projected else (run.suite_row("kernels") or {}).get("note")
     return MoeView(source_line(src), tuple(tables), (("MoE us per token", f"{rel}/moe_us_per_token.png"),
                                                      ("MoE % of peak bandwidth", f"{rel}/moe_pct_peak_bw.png")),
-                   None if SHARD_TP in degrees else SHARD_TP)
+                   None if SHARD_TP in degrees else SHARD_TP, md(note, cap=METHOD_CHARS) if note else None)
 
 
 def point_key_sort(k: dict[str, Any]) -> tuple:

@@ -2,10 +2,11 @@
 
 The passes of kernels/moe_gemm.py's grouped path, the block table and both projections in CUDA:
 moe_align (slots grouped by expert, one launch instead of torch's sort and scans), then per
-projection one GEMM pass writing fp32 partials per K split, on activations permuted to the
+projection one GEMM pass writing partials per K split (fp32 for gate_up, bf16 for down: its
+weighted per-slot outputs, as vLLM's fused MoE keeps them), on activations permuted to the
 dequant's pairs and their group sums (prepared by the align launch for gate_up, by moe_silu_prep,
 which also applies SiLU x up, for down); moe_sum adds the down partials over the splits and top-k
-in a fixed order. Weights stay in K2's own layout (kernels/int4.py): nothing is repacked. On sm_90
+in fp32, in a fixed order. Weights stay in K2's own layout (kernels/int4.py): nothing is repacked. On sm_90
 and later the five launches are programmatic dependent launches (moe_w4a16.cu's top says how they
 wait), so each kernel's CTAs start while the one before drains.
 
@@ -41,9 +42,10 @@ CudaConfig = tuple[int, int, int, int, int, int, int, int, int]
 
 # By shape class, then the largest M of the bucket (M above the last bucket takes the last); None
 # would mean the Triton kernel is as fast or faster there. Picked from whole-MoE timings of
-# candidate configs on an H200 (NOTES.md v10; v11 re-picked three down passes, v12 the SC ones):
-# 4-warp tiles with 256-byte row reads (H = 2) and one 8-slot block an expert up to M = 64, at M = 1
-# with stages holding one token's activations (TA = 1: more CTAs' weights in flight), TP-8 shards
+# candidate configs on an H200 (NOTES.md v10; v11 re-picked three down passes, v12 the SC ones, v13
+# the full shapes' M = 2..16 under the reading L2 flush): 4-warp tiles with 256-byte row reads (H = 2)
+# and one 8-slot block an expert up to M = 64, full shapes at M <= 4 (and the TP-8 down pass at M =
+# 1) with stages holding only M tokens' activations (TA = 1, 2, 4: more CTAs' weights in flight), TP-8 shards
 # with K split over CTAs at M <= 2 and the down pass (K = 256, one step) walking 2-14 tiles a CTA so
 # the ring stays full; warps of 2 strips from M = 128, then 16- and 32-slot blocks (NT = 2, 4) at
 # M = 512 and 1024 with 2-4 strips a warp, so each activation fragment read from shared memory
@@ -51,7 +53,8 @@ CudaConfig = tuple[int, int, int, int, int, int, int, int, int]
 # pass, the TP-8 16-slot ones and the TP-8 down pass from M = 17 (15-19 % at M = 700..1500).
 CUDA_CONFIGS: dict[str, dict[int, dict[str, CudaConfig] | None]] = {
     "full": {1: {"gate_up": (1, 4, 1, 2, 2, 1, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 1, 0, 2, 2048)},
-             16: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 8, 0, 1, 2048)},
+             2: {"gate_up": (1, 4, 1, 2, 2, 2, 0, 2, 7168), "down": (1, 4, 1, 2, 2, 2, 0, 2, 2048)},
+             4: {"gate_up": (1, 4, 1, 2, 2, 4, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 8, 0, 2, 2048)},
              32: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 8, 0, 2, 2048)},
              64: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 4, 1, 8, 0, 1, 2048)},
              256: {"gate_up": (1, 4, 2, 3, 1, 8, 0, 1, 7168), "down": (1, 4, 2, 3, 1, 8, 0, 2, 2048)},
@@ -182,12 +185,13 @@ def silu_prep(gu: Tensor, inter: int) -> Prepared:
 
 def _pass(a: Prepared, wq: Tensor, ws: Tensor, tw: Tensor, n: int, k: int, a_rows_per_slot: int,
           weighted: bool, cfg: CudaConfig, table: Table, s: int, early: bool) -> Tensor:
-    """fp32 partials [K / KS, slots, n] of one projection; `early`: the table was finished before
-    the launch before this one (the down pass), so the first weight stages load before the wait."""
+    """Partials [K / KS, slots, n] of one projection, bf16 when `weighted` (the down pass: moe_sum
+    reads them back) and fp32 otherwise; `early`: the table was finished before the launch before
+    this one (the down pass), so the first weight stages load before the wait."""
     nt, warps, r, stages, h, ta, sc, span, ks = cfg
     ks = min(ks, k)
     slots, seg, cnt, bexp, bms, ub = table
-    part = torch.empty(k // ks, s, n, dtype=torch.float32, device=wq.device)
+    part = torch.empty(k // ks, s, n, dtype=torch.bfloat16 if weighted else torch.float32, device=wq.device)
     _launch(wq.device, kernel_name(cfg), (ub, n // (warps * r * 16 * span), k // ks), warps * 32,
             smem_bytes(cfg, k), [*a, wq, ws, part, tw, slots, seg, cnt, bexp, bms, s, n, k, ks, span,
                                  a_rows_per_slot, wq.shape[0], weighted, early])

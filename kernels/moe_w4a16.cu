@@ -2,8 +2,9 @@
 //
 // Same contract as kernels/moe_gemm.py's split-K pass: one CTA computes, for one block of <= TN
 // token-expert slots routed to expert e (align()'s table), span tiles of BN = WARPS * R * 16 output
-// rows over one KS chunk of K, and writes fp32 partials part[split, slot, n]. Each warp owns R
-// strips of 16 rows of a tile. A stage holds the activations of TA <= TN tokens: at decode sizes
+// rows over one KS chunk of K, and writes partials part[split, slot, n]: fp32 for gate_up, bf16 for
+// the weighted down pass (its per-slot outputs; half the bytes that moe_sum reads back: 235 MB
+// less traffic at TP-8 M = 1024, kernels/NOTES.md v13). Each warp owns R strips of 16 rows of a tile. A stage holds the activations of TA <= TN tokens: at decode sizes
 // (M <= TA, so no expert has more than TA tokens; the caller checks) the rest of the block's 8
 // MMA columns read token 0's and are never stored, and the shared memory saved deepens the ring.
 //
@@ -98,6 +99,10 @@ __device__ __forceinline__ uint32_t dup(uint32_t v, int i) { return __byte_perm(
 
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
+__device__ __forceinline__ uint16_t bf16_rn(float f) {
+  const uint32_t u = __float_as_uint(f);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
 
 // Shared-memory stage: H sub-steps of one K step each, a sub-step = weights [STRIPS][16 rows][8
 // group chunks, swizzled by row % 8] uint4, scales [STRIPS][16 rows][8] bf16, activations
@@ -117,7 +122,7 @@ struct Stage {
 template <int NT, int WARPS, int R, int STAGES, int H, int TA, bool SC>
 __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const uint16_t* __restrict__ xs,
                                          const uint32_t* __restrict__ wq, const uint16_t* __restrict__ ws,
-                                         float* __restrict__ part, const float* __restrict__ tw,
+                                         void* __restrict__ part, const float* __restrict__ tw,
                                          const int* __restrict__ slots, const int* __restrict__ seg,
                                          const int* __restrict__ cnt, const int* __restrict__ bexp,
                                          const int* __restrict__ bms, int S, int N, int K, int KS, int span,
@@ -252,12 +257,19 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
         if (col >= nvalid) continue;
         const int slot = slot_of[col];
         const float wgt = weighted ? tw[slot] : 1.f;
-        float* out = part + ((long long)blockIdx.z * S + slot) * N + n0 + tile * BN + g;
+        const long long at = ((long long)blockIdx.z * S + slot) * N + n0 + tile * BN + g;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const int row = (warp * R + r) * 16;
-          out[row] = (SC ? acc[r][n][j] : fmaf(-136.f, cor[r][n][j], acc[r][n][j])) * wgt;
-          out[row + 8] = (SC ? acc[r][n][2 + j] : fmaf(-136.f, cor[r][n][2 + j], acc[r][n][2 + j])) * wgt;
+          const float lo = (SC ? acc[r][n][j] : fmaf(-136.f, cor[r][n][j], acc[r][n][j])) * wgt;
+          const float hi = (SC ? acc[r][n][2 + j] : fmaf(-136.f, cor[r][n][2 + j], acc[r][n][2 + j])) * wgt;
+          if (weighted) {
+            uint16_t* out = static_cast<uint16_t*>(part) + at + row;
+            out[0] = bf16_rn(lo), out[8] = bf16_rn(hi);
+          } else {
+            float* out = static_cast<float*>(part) + at + row;
+            out[0] = lo, out[8] = hi;
+          }
         }
       }
   };
@@ -369,10 +381,6 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
 // to xs as 16 bf16, (hi(X_2i), hi(X_2i+1), lo(X_2i), lo(X_2i+1)) for i = 0..3 with hi = bf16(X),
 // lo = bf16(X - hi): the B fragment of the offset MMA. A group's 4 words are 4 adjacent lanes of
 // one warp, all 32 lanes live (K % 256 == 0, whole rows per warp).
-__device__ __forceinline__ uint16_t bf16_rn(float f) {
-  const uint32_t u = __float_as_uint(f);
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
 __device__ __forceinline__ void emit_word(uint4 v, long long row, int w, int K, uint16_t* __restrict__ xp,
                                           uint16_t* __restrict__ xs) {
   uint4 p;
@@ -429,10 +437,10 @@ extern "C" __global__ void __launch_bounds__(256)
   emit_word(make_uint4(o[0], o[1], o[2], o[3]), row, w, I, hp, hs);
 }
 
-// out[m, n] = bf16 of the down partials part[split, m * topk + j, n] summed over the splits, then
-// over j, in that fixed order. A thread per 4 outputs, 256 threads a CTA.
+// out[m, n] = bf16 of the down partials part[split, m * topk + j, n] (bf16) summed in fp32 over the
+// splits, then over j, in that fixed order. A thread per 4 outputs, 256 threads a CTA.
 extern "C" __global__ void __launch_bounds__(256)
-    moe_sum(const float* __restrict__ part, int splits, int S, int M, int N, int topk, uint16_t* __restrict__ out) {
+    moe_sum(const uint16_t* __restrict__ part, int splits, int S, int M, int N, int topk, uint16_t* __restrict__ out) {
   grid_wait();
   const long long f = blockIdx.x * 256LL + threadIdx.x, quads = N / 4;
   if (f >= M * quads) return;
@@ -441,8 +449,8 @@ extern "C" __global__ void __launch_bounds__(256)
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int sp = 0; sp < splits; ++sp)
     for (int j = 0; j < topk; ++j) {
-      const float4 v = *reinterpret_cast<const float4*>(part + (sp * (long long)S + m * topk + j) * N + c);
-      acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+      const uint2 v = *reinterpret_cast<const uint2*>(part + (sp * (long long)S + m * topk + j) * N + c);
+      acc.x += bf16_lo(v.x), acc.y += bf16_hi(v.x), acc.z += bf16_lo(v.y), acc.w += bf16_hi(v.y);
     }
   *reinterpret_cast<uint2*>(out + m * N + c) =
       make_uint2(bf16_rn(acc.x) | static_cast<uint32_t>(bf16_rn(acc.y)) << 16,
@@ -526,7 +534,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 #define MOE_KERNEL(NT, WARPS, R, STAGES, H, TA, SC)                                                          \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
       moe_w4a16_nt##NT##_w##WARPS##_r##R##_s##STAGES##_h##H##_a##TA##_sc##SC(                               \
-      const uint16_t* a, const uint16_t* xs, const uint32_t* wq, const uint16_t* ws, float* part,         \
+      const uint16_t* a, const uint16_t* xs, const uint32_t* wq, const uint16_t* ws, void* part,          \
       const float* tw, const int* slots, const int* seg, const int* cnt, const int* bexp, const int* bms,  \
       int S, int N, int K, int KS, int span, int a_rows_per_slot, int E, int weighted, int early) {        \
     moe_gemm<NT, WARPS, R, STAGES, H, TA, SC>(a, xs, wq, ws, part, tw, slots, seg, cnt, bexp, bms, S, N, K, KS, \
@@ -535,6 +543,8 @@ extern "C" __global__ void __launch_bounds__(1024)
 
 // The configs kernels/moe_cuda.py may pick (KERNELS there lists the same names).
 MOE_KERNEL(1, 4, 1, 2, 2, 1, 0)
+MOE_KERNEL(1, 4, 1, 2, 2, 2, 0)
+MOE_KERNEL(1, 4, 1, 2, 2, 4, 0)
 MOE_KERNEL(1, 4, 1, 2, 2, 8, 0)
 MOE_KERNEL(1, 4, 1, 3, 2, 8, 0)
 MOE_KERNEL(1, 4, 1, 4, 1, 1, 0)

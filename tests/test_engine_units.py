@@ -9,7 +9,7 @@ import torch
 from engine.costs import expected_experts
 from engine.config import K2, make_config
 from engine.env import UsageError, check_arch, pick_device
-from engine.timing import percentile, time_op
+from engine.timing import flush_l2, percentile, time_op
 
 
 def test_k2_config_has_kimi_k2_per_layer_dims():
@@ -39,6 +39,13 @@ def test_time_op_on_cpu_counts_repeats():
     t = time_op(lambda: calls.append(1), torch.device("cpu"), repeats=7, warmup=2)
     assert len(calls) == 9 and t.repeats == 7 and not t.graph
     assert 0 <= t.p10_us <= t.p50_us <= t.p90_us
+
+
+def test_the_l2_flush_only_reads_its_buffer():
+    """A flush that writes (a zeroed buffer) leaves dirty lines that the timed op then pays to write back."""
+    scratch = torch.full((1 << 16,), 7, dtype=torch.uint8)
+    flush_l2(scratch)
+    assert bool((scratch == 7).all())
 
 
 def test_arch_and_device_checks():

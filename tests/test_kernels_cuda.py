@@ -87,7 +87,8 @@ def test_config_table_names_instantiated_kernels_that_tile_k2() -> None:
             assert moe_cuda.fits(cfg["down"], hidden, inter), (cls, bucket)
             assert moe_cuda.smem_bytes(cfg["gate_up"], hidden) <= 227 * 1024, (cls, bucket)
             assert moe_cuda.smem_bytes(cfg["down"], inter) <= 227 * 1024, (cls, bucket)
-    assert moe_cuda.cuda_config(2, 2048) == moe_cuda.cuda_config(16, 2048) != moe_cuda.cuda_config(17, 2048)
+    assert moe_cuda.cuda_config(5, 2048) == moe_cuda.cuda_config(32, 2048) != moe_cuda.cuda_config(33, 2048)
+    assert moe_cuda.cuda_config(2, 2048) != moe_cuda.cuda_config(3, 2048) == moe_cuda.cuda_config(4, 2048)
     assert moe_cuda.cuda_config(4096, 256) == moe_cuda.cuda_config(1024, 256)  # above the last bucket: the last one's
     assert not moe_cuda.fits((1, 4, 1, 4, 1, 8, 0, 3, 256), 7168, 256), "3 tiles of 64 rows do not tile N = 7168"
     assert not moe_cuda.fits((1, 4, 1, 2, 2, 8, 0, 1, 256), 7168, 256), "H = 2 needs K chunks of 512"

@@ -237,15 +237,22 @@ def test_pages_come_from_the_shipped_templates() -> None:
         assert not re.search(r"\|\s*(format|round|e|escape|safe)\b", text), name
 
 
-def test_the_e2e_section_quotes_how_its_run_made_the_figures(tmp_path: Path, inv: Inventory) -> None:
-    """The e2e suite's own note (synthetic acceptance, modelled comm, caveats) travels with its figures, escaped."""
+@pytest.mark.parametrize("suite, section, note, shown", [
+    ("e2e", "End to end", "e2e k2: synthetic_accept=0.8 | eager step included <b>",
+     r"e2e k2: synthetic_accept=0.8 \| eager step included \<b\>"),
+    ("kernels", "MoE W4A16 GEMM", "kernels at k2 shapes | each after a read of 256 MB <i>",
+     r"kernels at k2 shapes \| each after a read of 256 MB \<i\>"),
+])
+def test_a_section_quotes_how_its_run_made_the_figures(tmp_path: Path, inv: Inventory, suite: str, section: str,
+                                                       note: str, shown: str) -> None:
+    """A suite's own note (e2e: synthetic acceptance, modelled comm; kernels: the L2 flush and replay
+    method) travels with its figures, escaped."""
     run = write_run(tmp_path / "p1", run_id="full-1")
-    _rewrite(run, "runs", lambda rows: [{**r, "note": "e2e k2: synthetic_accept=0.8 | eager step included <b>"}
-                                        if r["suite"] == "e2e" else r for r in rows])
+    _rewrite(run, "runs", lambda rows: [{**r, "note": note} if r["suite"] == suite else r for r in rows])
     store = Store(str(tmp_path / "art"))
     store.ingest("h200", "full-1", run)
-    e2e = _section((_render(store, inv, tmp_path / "docs") / "h200.md").read_text(), "End to end")
-    assert r"How the run made them, in its own words: e2e k2: synthetic_accept=0.8 \| eager step included \<b\>" in e2e
+    text = _section((_render(store, inv, tmp_path / "docs") / "h200.md").read_text(), section)
+    assert "How the run made them, in its own words: " + shown in text
 
 
 def test_the_moe_table_shows_the_kernel_that_runs_at_each_m(tmp_path: Path, inv: Inventory) -> None:
