@@ -460,8 +460,12 @@ extern "C" __global__ void __launch_bounds__(256)
 // Block table of the slots grouped by expert, as kernels/moe_gemm.py's align() makes it: sorted
 // slots (stable: slot order within an expert), per-expert start and count, per-block expert (E for
 // unused blocks) and first row. CTA 0 (1024 threads, E <= 1024) makes it: counts by shared atomics
-// (order-free), placement by one warp in slot order (deterministic). CTAs 1.. meanwhile prepare
-// `rows` rows of activations x for the GEMM (emit_word), a thread per word: one launch for both.
+// (order-free), then placement 1024 slots at a time, a thread each: a slot goes after its expert's
+// slots of earlier tiles (the cursor), of lower warps of its tile (per-warp counts) and of lower
+// lanes of its warp (match_any), so the order is the slots' own and the result deterministic. (One
+// warp placing 32 slots at a time took 30 us at 4,096 slots, on the critical path: kernels/NOTES.md
+// v13.) CTAs 1.. meanwhile prepare `rows` rows of activations x for the GEMM (emit_word), a thread
+// per word: one launch for both.
 extern "C" __global__ void __launch_bounds__(1024)
     moe_align(const long long* __restrict__ ids, int S, int E, int BM, int ub, int* __restrict__ slots,
               int* __restrict__ seg, int* __restrict__ cnt, int* __restrict__ bexp, int* __restrict__ bms,
@@ -479,8 +483,13 @@ extern "C" __global__ void __launch_bounds__(1024)
   __shared__ int counts[1024], cursor[1024];
   __shared__ int wsum[32][2];
   __shared__ int total;
+  // per expert, the slots each warp of a tile has of it (<= 32: a byte a warp, 4 a word), rows
+  // padded to 9 words so the expert threads' reads of their rows are conflict-free
+  __shared__ uint32_t wcnt[1024][9];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   counts[tid] = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) wcnt[tid][k] = 0;
   __syncthreads();
   for (int s = tid; s < S; s += 1024) {
     const long long x = ids[s];
@@ -515,19 +524,34 @@ extern "C" __global__ void __launch_bounds__(1024)
   }
   __syncthreads();
   for (int b = total + tid; b < ub; b += 1024) bexp[b] = E, bms[b] = 0;
-  if (warp == 0) {
-    for (int base = 0; base < S; base += 32) {
-      const int s = base + lane;
-      const long long x = s < S ? ids[s] : -1;
-      const bool ok = x >= 0 && x < E;
-      const unsigned peers = __match_any_sync(~0u, ok ? (int)x : -1);
-      const int leader = __ffs(peers) - 1;
-      int first = 0;
-      if (ok && lane == leader) first = cursor[x], cursor[x] = first + __popc(peers);
-      first = __shfl_sync(~0u, first, leader);
-      if (ok) slots[first + __popc(peers & ((1u << lane) - 1))] = s;
-      __syncwarp();
+  long long next = tid < S ? ids[tid] : -1;
+  for (int base = 0; base < S; base += 1024) {
+    const int s = base + tid;
+    const long long x = next;
+    next = s + 1024 < S ? ids[s + 1024] : -1;  // the next tile's id, in flight meanwhile
+    const bool ok = s < S && x >= 0 && x < E;
+    const unsigned peers = __match_any_sync(~0u, ok ? (int)x : -1);
+    const int rank = __popc(peers & ((1u << lane) - 1));
+    if (ok && rank == 0) reinterpret_cast<unsigned char*>(wcnt[x])[warp] = static_cast<unsigned char>(__popc(peers));
+    __syncthreads();
+    if (ok) {
+      int at = cursor[x] + rank;  // + the counts of warps below this one: whole words, then the bytes of a part
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const int n = min(4, max(0, warp - 4 * k));
+        if (n > 0) at += __dp4a(wcnt[x][k] & (n == 4 ? ~0u : (1u << (8 * n)) - 1), 0x01010101u, 0u);
+      }
+      slots[at] = s;
     }
+    if (base + 1024 >= S) break;  // the last tile: nothing reads the counts again
+    __syncthreads();  // every slot of the tile has read the cursors and counts
+    if (tid < E) {
+      int n = 0;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) n += __dp4a(wcnt[tid][k], 0x01010101u, 0u), wcnt[tid][k] = 0;
+      cursor[tid] += n;
+    }
+    __syncthreads();
   }
 }
 
