@@ -93,14 +93,18 @@ class SuiteWriter:
         self._write("partial")
 
     def add(self, row: dict[str, Any], summary: dict[str, Any] | None = None) -> None:
+        """Save a point and announce it; SIGTERM waits for both, so the controller's log names every
+        point the files hold."""
         row = {"run_id": self.prov["run_id"], "source": "measured", **row}
         self.rows.append(row)
-        self._write("partial")
-        progress({"event": "point", "suite": self.suite, "i": len(self.rows), "n": self.n,
-                  **(summary if summary is not None else row)})
+        with _critical():
+            self._write("partial")
+            progress({"event": "point", "suite": self.suite, "i": len(self.rows), "n": self.n,
+                      **(summary if summary is not None else row)})
 
     def finish(self, status: str, note: str | None = None) -> None:
         if note:
             self.run_row["note"] = "; ".join(x for x in (self.run_row.get("note"), note) if x)
-        self._write(status)
-        progress({"event": "done", "suite": self.suite, "status": status, "points": len(self.rows)})
+        with _critical():
+            self._write(status)
+            progress({"event": "done", "suite": self.suite, "status": status, "points": len(self.rows)})

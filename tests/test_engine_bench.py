@@ -148,6 +148,26 @@ def test_killed_run_leaves_readable_partial_files(tmp_path, sig):
         assert "stopped by signal 15" in runs[0]["note"]
 
 
+def test_a_saved_point_is_announced_when_sigterm_arrives_while_it_is_written(tmp_path, monkeypatch, capsys):
+    """The signal waits until the point is both in the files and on stdout (the controller's log)."""
+    from engine import results
+    w = results.SuiteWriter(tmp_path, "comm", "smoke", {"run_id": "run-s", "host": "sb-1"}, 2)
+    w.start()
+    capsys.readouterr()
+    write = schema.write_table
+
+    def write_then_signal(out: Path, table: object) -> Path:
+        path = write(out, table)
+        results._on_signal(signal.SIGTERM, None)  # as the handler does when SIGTERM lands here
+        return path
+
+    monkeypatch.setattr(schema, "write_table", write_then_signal)
+    with pytest.raises(results.Terminated):
+        w.add({"op": "all_reduce", "world_size": 2, "bytes": 1024, "status": "ok"})
+    assert [(e["event"], e["i"]) for e in _events(capsys.readouterr().out)] == [("point", 1)]
+    assert schema.read_table(tmp_path / "comm.arrow").num_rows == 1
+
+
 def test_build_cpu_checks_references(tmp_path):
     r = subprocess.run([sys.executable, "-m", "engine.build", "--arch", "cpu", "--out", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -132,6 +132,19 @@ def _artifact(world: dict, key: str) -> str:
     return json.dumps(rows[0]["data"]) if not isinstance(rows[0]["data"], str) else rows[0]["data"]
 
 
+def _logs(world: dict, flow_run: str, until: str) -> list[str]:
+    """A flow run's newest 200 log messages, oldest first, fetched until one matches `until` (30 s at
+    most): a served run's logs reach the server in batches, which may land after `--watch` returned."""
+    deadline = time.monotonic() + 30
+    while True:
+        rows = _api(world["api"], "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run]}},
+                                                   "sort": "TIMESTAMP_DESC", "limit": 200})
+        logs = [r["message"] for r in reversed(rows)]
+        if any(re.match(until, m) for m in logs) or time.monotonic() > deadline:
+            return logs
+        time.sleep(0.5)
+
+
 def _flow_run(cli_output: str) -> str:
     return re.search(r"UUID: ([0-9a-f-]{36})", cli_output).group(1)
 
@@ -166,10 +179,10 @@ def test_healthy_host_is_measured_ingested_and_noted(world: dict, measured: subp
     summary = _artifact(world, "bench-pro6000")
     assert "measured" in summary and run_id in summary and "uploaded" in summary
     # the host's output streamed into the run's logs line by line
-    logs = [r["message"] for r in _api(world["api"], "/logs/filter",
-                                       {"logs": {"flow_run_id": {"any_": [_flow_run(measured.stdout)]}}, "limit": 200})]
+    point = r"kernels \d+/\d+ \S+ \S+.*: [\d.]+ (us|ms|s),"
+    logs = _logs(world, _flow_run(measured.stdout), point)
     # one readable line per point (suite, i/n, label, time, headline), not the raw JSON
-    points = [m for m in logs if re.match(r"kernels \d+/\d+ \S+ \S+.*: [\d.]+ (us|ms|s),", m)]
+    points = [m for m in logs if re.match(point, m)]
     assert points and all("\n" not in m and "{" not in m for m in points)
     assert not [m for m in logs if "KDBENCH" in m]
     assert "pro6000" in _artifact(world, "host-pro6000")
@@ -240,8 +253,8 @@ def test_killed_bench_leaves_a_partial_run_with_what_it_measured(world: dict,
     new = _new_runs(world, "pro6000", before)
     assert [(r.source, r.status) for r in new] == [("measured", "partial")]
     tables = Store(str(world["artifacts"])).load("pro6000", new[0].run_id)
-    full = _api(world["api"], "/logs/filter", {"logs": {"flow_run_id": {"any_": [_flow_run(output)]}}, "limit": 200})
-    announced = {int(m.group(1)) for m in (re.match(r"e2e \d+/(\d+) ", r["message"]) for r in full) if m}
+    logs = _logs(world, _flow_run(output), r"e2e \d+/\d+ ")
+    announced = {int(m.group(1)) for m in (re.match(r"e2e \d+/(\d+) ", line) for line in logs) if m}
     assert 0 < tables["e2e"].num_rows < max(announced)
     assert {r["status"] for r in tables["runs"].to_pylist()} == {"partial"}
     assert "suite e2e: failed" in _artifact(world, "bench-pro6000")
@@ -431,8 +444,7 @@ def test_a_python_without_torch_ends_the_run_with_a_clear_outcome(world: dict, s
     assert Store(str(world["artifacts"])).runs("nopy") == []
     work = Path(host.work_dir)
     assert not (work / "payloads").exists() and not (work / "venv").exists()
-    logs = [r["message"] for r in _api(world["api"], "/logs/filter",
-                                       {"logs": {"flow_run_id": {"any_": [_flow_run(res.stdout)]}}, "limit": 200})]
+    logs = _logs(world, _flow_run(res.stdout), r".*field 'python'")
     assert not any("Traceback" in m for m in logs)
     assert sum("field 'python'" in m for m in logs) == 1
 
