@@ -4,7 +4,8 @@
 // token-expert slots routed to expert e (align()'s table), span tiles of BN = WARPS * R * 16 output
 // rows over one KS chunk of K, and writes partials part[split, slot, n]: fp32 for gate_up, bf16 for
 // the weighted down pass (its per-slot outputs; half the bytes that moe_sum reads back: 235 MB
-// less traffic at TP-8 M = 1024, kernels/NOTES.md v13). Each warp owns R strips of 16 rows of a tile. A stage holds the activations of TA <= TN tokens: at decode sizes
+// less traffic at TP-8 M = 1024, kernels/NOTES.md v13). Each warp owns R strips of 16 rows of a
+// tile. A stage holds the activations of TA <= TN tokens: at decode sizes
 // (M <= TA, so no expert has more than TA tokens; the caller checks) the rest of the block's 8
 // MMA columns read token 0's and are never stored, and the shared memory saved deepens the ring.
 //
@@ -463,8 +464,8 @@ extern "C" __global__ void __launch_bounds__(256)
 // (order-free), then placement 1024 slots at a time, a thread each: a slot goes after its expert's
 // slots of earlier tiles (the cursor), of lower warps of its tile (per-warp counts) and of lower
 // lanes of its warp (match_any), so the order is the slots' own and the result deterministic. (One
-// warp placing 32 slots at a time took 30 us at 4,096 slots, on the critical path: kernels/NOTES.md
-// v13.) CTAs 1.. meanwhile prepare `rows` rows of activations x for the GEMM (emit_word), a thread
+// warp placing 32 slots at a time took 32 us at 4,096 slots, on the critical path: kernels/NOTES.md
+// v14.) CTAs 1.. meanwhile prepare `rows` rows of activations x for the GEMM (emit_word), a thread
 // per word: one launch for both.
 extern "C" __global__ void __launch_bounds__(1024)
     moe_align(const long long* __restrict__ ids, int S, int E, int BM, int ub, int* __restrict__ slots,
