@@ -654,6 +654,13 @@ def _shape_label(tp: int) -> str:
     return "full shape" if tp == 1 else f"TP-{tp} shard"
 
 
+def suite_method(run: Run, suite: str, projected: bool) -> str | None:
+    """A suite's own note in its run (how it made its figures), escaped; none for a projection,
+    whose assumptions have their own section."""
+    note = None if projected else (run.suite_row(suite) or {}).get("note")
+    return md(note, cap=METHOD_CHARS) if note else None
+
+
 def moe_view(view: HostView, out_dir: Path, rel: str) -> MoeView:
     """One table per shape (full, then each shard degree); the plots draw each shape as its own line."""
     src = view.source("kernels")
@@ -679,10 +686,9 @@ def moe_view(view: HostView, out_dir: Path, rel: str) -> MoeView:
     plots.lines(out_dir / "moe_us_per_token.png", per_token, f"{name}: time per token", "M (tokens)",
                 "us / token", logy=True)
     plots.lines(out_dir / "moe_pct_peak_bw.png", pct, f"{name}: bandwidth", "M (tokens)", "% of peak")
-    note = None if projected else (run.suite_row("kernels") or {}).get("note")
     return MoeView(source_line(src), tuple(tables), (("MoE us per token", f"{rel}/moe_us_per_token.png"),
                                                      ("MoE % of peak bandwidth", f"{rel}/moe_pct_peak_bw.png")),
-                   None if SHARD_TP in degrees else SHARD_TP, md(note, cap=METHOD_CHARS) if note else None)
+                   None if SHARD_TP in degrees else SHARD_TP, suite_method(run, "kernels", projected))
 
 
 def point_key_sort(k: dict[str, Any]) -> tuple:
@@ -821,8 +827,7 @@ def e2e_view(view: HostView, out_dir: Path, rel: str) -> E2EView | None:
         top = max(TERMS, key=lambda t: (b[t], t))
         largest = (f"At concurrency {last['concurrency']} the largest term on {view.name} is "
                    f"{top.removesuffix('_ms')} ({100 * b[top] / sum(b.values()):.0f}% of the step).")
-    note = None if projected else (run.suite_row("e2e") or {}).get("note")  # a projection's assumptions have their own section
-    return E2EView(source_line(src), md(note, cap=METHOD_CHARS) if note else None, projected, ", ".join(f"{x:g}" for x in level) or "-", Table.of(head, table),
+    return E2EView(source_line(src), suite_method(run, "e2e", projected), projected, ", ".join(f"{x:g}" for x in level) or "-", Table.of(head, table),
                    accept_view(view, run, out_dir, rel),
                    Table.of(["point"] + [t.removesuffix("_ms") for t in TERMS] + ["step ms"], split),
                    f"{rel}/amdahl.png", busy_table, largest)
