@@ -194,7 +194,8 @@ class E2EBench:
         return {"config": m.cfg.name, "layers": layers, "tp": tp,
                 "weight_sets": min(m.weight_sets, layers - min(m.cfg.dense_layers, layers)),
                 "vocab": m.cfg.vocab, "comm_source": "modelled" if tp > 1 else "none",
-                "device": self.dev.type, "concurrency": conc, "budget": budget, "synthetic_accept": level,
+                "device": self.dev.type, "concurrency": conc, "budget": budget,
+                "context": round(statistics.mean(map(len, prompts))), "synthetic_accept": level,
                 **summarise(res, comm_s), **self.kernel_split(dec, prompts, budget, level, res)}
 
     def kernel_split(self, dec: Decoder, prompts: list[list[int]], budget: int, level: float,

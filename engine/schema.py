@@ -18,8 +18,8 @@ import pyarrow.ipc as ipc
 
 from engine.files import atomic_write_bytes, sha256_file
 
-SCHEMA_VERSION = "3"
-READABLE_VERSIONS = ("2", "3")   # version 2 files read with the version-3 columns null (tp, weight_sets: 1)
+SCHEMA_VERSION = "4"
+READABLE_VERSIONS = ("2", "3", "4")   # older files read with the later columns at their defaults (_ADDED)
 TABLES = ("runs", "kernels", "e2e", "comm")
 SOURCES = ("measured", "projected")
 MANIFEST = "manifest.json"
@@ -56,6 +56,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         _f("unique_experts", _i), _f("expected_experts", _d),
         _f("budget", _i), _f("context", _i), _f("batch", _i),
         _f("time_us_p10", _d), _f("time_us_p50", _d, False), _f("time_us_p90", _d),
+        _f("host_us", _d),  # host time of one eager call, called back to back (null where not measured)
         _f("repeats", _i), _f("bytes", _d, False), _f("flops", _d, False),
         _f("achieved_gbps", _d), _f("achieved_tflops", _d),
         _f("source", _s, False),
@@ -68,7 +69,10 @@ SCHEMAS: dict[str, pa.Schema] = {
         _f("tp", _i), _f("weight_sets", _i), _f("vocab", _i),
         _f("comm_source", _s),  # measured | modelled | none: where comm_ms came from
         _f("device", _s, False), _f("concurrency", _i, False), _f("budget", _i, False),
+        _f("context", _i),  # prompt tokens a sequence holds in its cache when decoding starts (mean)
         _f("synthetic_accept", _d),  # the drafter's steering level: acceptance is synthetic
+        # ok | skipped; a skipped point keeps its key, the reason and the device bytes it needed
+        _f("status", _s, False), _f("skip_reason", _s), _f("memory_bytes", _d),
         _f("accept_len_mean", _d), _f("tokens_per_s", _d), _f("steps", _i),
         _f("step_ms_p50", _d), _f("step_ms_p99", _d), _f("ttft_ms", _d),
         _f("itl_ms_p50", _d), _f("itl_ms_p99", _d),
@@ -78,6 +82,10 @@ SCHEMAS: dict[str, pa.Schema] = {
         _f("accept_ms", _d), _f("other_ms", _d), _f("comm_ms", _d),
         # per step, from a profiled decode of the same point (CUDA only): GPU busy, and the rest
         _f("kernel_ms", _d), _f("outside_ms", _d),
+        # kernel_ms by family (they sum to it): routed MoE, attention, dense bf16 GEMMs of the layers,
+        # the lm-head, tree build + accept, and every other kernel
+        _f("moe_ms", _d), _f("attention_ms", _d), _f("dense_ms", _d), _f("lm_head_ms", _d),
+        _f("tree_ms", _d), _f("gpu_other_ms", _d),
         _f("source", _s, False),
         _f("reference_run_id", _s), _f("tokens_per_s_low", _d), _f("tokens_per_s_high", _d),
     ]),
@@ -97,11 +105,12 @@ class SchemaError(ValueError):
 def to_table(name: str, rows: Iterable[Mapping[str, Any]], provenance: Mapping[str, Any]) -> pa.Table:
     """Build a table of `name` from row dicts (missing nullable columns become null)."""
     schema = SCHEMAS[name]
+    rows = list(rows)
     unknown = {k for r in rows for k in r} - set(schema.names)
     if unknown:
         raise SchemaError(f"{name}: unknown columns {sorted(unknown)}")
-    rows = list(rows)
-    cols = {f.name: [r.get(f.name) for r in rows] for f in schema}
+    defaults = _ADDED.get(name, {})
+    cols = {f.name: [r.get(f.name, defaults.get(f.name)) for r in rows] for f in schema}
     meta = {"kdbench.schema_version": SCHEMA_VERSION, "kdbench.table": name,
             "kdbench.provenance": json.dumps(dict(provenance), sort_keys=True)}
     return pa.Table.from_pydict(cols, schema=schema.with_metadata(meta))
@@ -250,16 +259,25 @@ def _text(meta: dict[bytes, bytes], key: bytes, label: str) -> str:
         raise SchemaError(f"{label}: metadata {key.decode()!r} is not UTF-8") from None
 
 
-# columns version 3 added, and the value a version-2 file means by leaving them out
-_V3_DEFAULTS = {"tp": 1, "weight_sets": 1, "vocab": None, "comm_source": None}
+# Columns added after version 2, per table, and the value an older file means by leaving them out
+# (version 3: tp, weight_sets, vocab, comm_source; version 4: host_us, context, status, skip_reason,
+# memory_bytes and the per-family split of kernel_ms). A row built without them gets the same value.
+_ADDED: dict[str, dict[str, Any]] = {
+    "kernels": {"tp": 1, "host_us": None},
+    "e2e": {"tp": 1, "weight_sets": 1, "vocab": None, "comm_source": None, "context": None, "status": "ok",
+            "skip_reason": None, "memory_bytes": None, "moe_ms": None, "attention_ms": None, "dense_ms": None,
+            "lm_head_ms": None, "tree_ms": None, "gpu_other_ms": None},
+}
 
 
 def _upgrade(table: pa.Table, name: str) -> pa.Table:
-    """A version-2 table with the version-3 columns added (tp and weight_sets 1, the rest null)."""
+    """An older table with the columns added since at the value its version means by their absence."""
+    added = _ADDED.get(name, {})
     for f in SCHEMAS[name]:
-        if f.name in _V3_DEFAULTS and f.name not in table.schema.names:
-            table = table.append_column(f, pa.array([_V3_DEFAULTS[f.name]] * table.num_rows, f.type))
-    return table
+        if f.name in added and f.name not in table.schema.names:
+            table = table.append_column(f, pa.array([added[f.name]] * table.num_rows, f.type))
+    order = [n for n in SCHEMAS[name].names if n in table.schema.names]
+    return table.select(order + [n for n in table.schema.names if n not in order])
 
 
 def validate(table: pa.Table, label: str) -> pa.Table:

@@ -387,7 +387,7 @@ def compare(ref: str, target: str, proj: dict, meas: dict, relax_impl: bool = Fa
     out += [summarise("cross-host", ref, target, f, regs[f], v, detail) for f, v in sorted(fams.items())]
     # an outside serving figure states no tree budget or acceptance: it meets the fastest projected
     # row of the same config, depth, TP degree and concurrency
-    key = (lambda e: e2e_key(e, without=("budget", "synthetic_accept"))) if relax_impl else e2e_key
+    key = (lambda e: e2e_key(e, without=("budget", "context", "synthetic_accept"))) if relax_impl else e2e_key
     got_e: dict[tuple, dict[str, Any]] = {}
     for e in rows_of(proj, "e2e"):
         if key(e) not in got_e or e["tokens_per_s"] > got_e[key(e)]["tokens_per_s"]:

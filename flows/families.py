@@ -19,7 +19,7 @@ ALIASES = {"mla_verify": "mla_tree_attention", "tree_build": "build_tree"}
 # The torch references of the tree kernels are Python loops on the host: GPU speed does not move them.
 HOST_SIDE = {("build_tree", "torch"), ("tree_accept", "torch")}
 POINT_KEY = ("kernel", "impl", "dtype", "M", "N", "K", "E", "top_k", "budget", "context", "batch", "tp")
-E2E_KEY = ("config", "layers", "tp", "concurrency", "budget", "synthetic_accept")
+E2E_KEY = ("config", "layers", "tp", "concurrency", "budget", "context", "synthetic_accept")
 # Term of the e2e step -> kernel families whose time makes it up (verify: per layer).
 TERM_FAMILIES = {"verify_ms": ("moe_w4a16", "mla_tree_attention"), "tree_build_ms": ("build_tree",),
                  "accept_ms": ("tree_accept",)}

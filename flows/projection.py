@@ -413,7 +413,7 @@ def project_e2e(rows: list[dict[str, Any]], kern: list[dict[str, Any]], proj: li
         tps = r["tokens_per_s"] * sum(terms.values()) / step if r["tokens_per_s"] else \
             per_step * r["concurrency"] / step * 1e3
         scale = tps * step
-        out.append({**{k: r.get(k) for k in ("config", "layers", "concurrency", "budget", "synthetic_accept",
+        out.append({**{k: r.get(k) for k in ("config", "layers", "concurrency", "budget", "context", "synthetic_accept",
                                               "accept_len_mean", "weight_sets", "vocab")},
                     **cols, "tp": tp, "comm_source": "modelled" if tp > 1 else "none",
                     "run_id": run_id, "device": "cpu" if target.spec.arch == "cpu" else "cuda",
