@@ -9,11 +9,13 @@ refuse files it does not understand instead of misreading them.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
 from engine.files import atomic_write_bytes, sha256_file
@@ -98,6 +100,50 @@ SCHEMAS: dict[str, pa.Schema] = {
 }
 
 
+# Bounds of one result table, from what a full sweep can write: the full profiles write under a hundred
+# points per table, and the axes still growing (the MoE sweep to M = 4096, an e2e context axis) multiply
+# that by a few; MAX_ROWS leaves tenfold room beyond. A table over it is refused whole, before any use.
+MAX_ROWS = 5_000
+MAX_TEXT = 4096        # characters of one string cell (a run's note is the longest a host writes)
+_AXIS = (1, 1 << 20)   # a shape or count axis: tokens, experts, heads, batch, concurrency
+_T_US = (1e-3, 1e10)   # a time in us: 1 ns to about three hours
+_T_MS = (1e-6, 1e7)    # a time in ms that cannot be zero (a step, a latency, a GPU-busy total)
+_PART_MS = (0.0, 1e7)  # a share of a step, which can be (comm_ms is 0 at tp 1)
+_RATE = (0.0, 1e12)    # an achieved rate (GB/s, TFLOP/s, tokens/s band)
+# What a number may be: every float finite, and within [low, high] where listed (a null passes: the
+# nullable columns say "not measured"). Anything else is refused naming its row and column, at pull,
+# at ingest and at import (`check_values`), so the notes never divide by a host's zero or NaN.
+# flops may be 0 (a kernel that only moves and compares data); bytes may not (every kernel reads).
+BOUNDS: dict[str, dict[str, tuple[float, float]]] = {
+    "runs": {"gpu_count": (0, 1 << 12), "copy_gbps": (1e-6, 1e9), "matmul_tflops": (1e-9, 1e9),
+             "points": (0, MAX_ROWS)},
+    "kernels": {"M": _AXIS, "N": _AXIS, "K": _AXIS, "E": _AXIS, "top_k": _AXIS, "tp": (1, 1 << 12),
+                "unique_experts": (0, 1 << 20), "expected_experts": (0, 1 << 20), "budget": (0, 1 << 20),
+                "context": (0, 1 << 24), "batch": _AXIS, "time_us_p10": _T_US, "time_us_p50": _T_US,
+                "time_us_p90": _T_US, "host_us": _T_US, "repeats": (1, 1 << 30), "bytes": (1.0, 1e18),
+                "flops": (0.0, 1e21), "achieved_gbps": _RATE, "achieved_tflops": _RATE,
+                "time_us_low": _T_US, "time_us_high": _T_US},
+    "e2e": {"layers": (1, 1 << 12), "tp": (1, 1 << 12), "weight_sets": (1, 1 << 12), "vocab": (1, 1 << 24),
+            "concurrency": _AXIS, "budget": (0, 1 << 20), "context": (0, 1 << 24), "synthetic_accept": (0.0, 1.0),
+            "memory_bytes": (0.0, 1e18), "accept_len_mean": (0.0, 1 << 20), "tokens_per_s": (1e-9, 1e12),
+            "steps": (0, 1 << 40), "step_ms_p50": _T_MS, "step_ms_p99": _T_MS, "ttft_ms": _T_MS,
+            "itl_ms_p50": _T_MS, "itl_ms_p99": _T_MS, "draft_ms": _PART_MS, "tree_build_ms": _PART_MS,
+            "verify_ms": _PART_MS, "accept_ms": _PART_MS, "other_ms": _PART_MS, "comm_ms": _PART_MS,
+            "kernel_ms": _T_MS, "outside_ms": _PART_MS, "moe_ms": _PART_MS, "attention_ms": _PART_MS,
+            "dense_ms": _PART_MS, "lm_head_ms": _PART_MS, "tree_ms": _PART_MS, "gpu_other_ms": _PART_MS,
+            "tokens_per_s_low": (1e-9, 1e12), "tokens_per_s_high": (1e-9, 1e12)},
+    # a skipped collective keeps world_size 0 and bytes 0 (the device had none to run)
+    "comm": {"world_size": (0, 1 << 12), "bytes": (0, 1 << 50), "time_us_p50": _T_US, "algbw_gbps": _RATE,
+             "busbw_gbps": _RATE},
+}
+# The columns that name a state: one of these values.
+STATES: dict[str, dict[str, tuple[str, ...]]] = {
+    "runs": {"suite": ("kernels", "e2e", "comm"), "status": ("complete", "partial", "skipped")},
+    "e2e": {"status": ("ok", "skipped")},
+    "comm": {"status": ("ok", "skipped")},
+}
+
+
 class SchemaError(ValueError):
     """A result file that does not match the contract; the message names the file and field."""
 
@@ -116,22 +162,30 @@ def to_table(name: str, rows: Iterable[Mapping[str, Any]], provenance: Mapping[s
     return pa.Table.from_pydict(cols, schema=schema.with_metadata(meta))
 
 
+def table_bytes(table: pa.Table) -> bytes:
+    """One Arrow IPC file (uncompressed, as `parse_table` accepts) holding `table`."""
+    sink = pa.BufferOutputStream()
+    with ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
 def write_table(out_dir: Path, table: pa.Table) -> Path:
     """Write `table` as `<name>.arrow` atomically and refresh the manifest, so a reader never sees half a file."""
     name = table.schema.metadata[b"kdbench.table"].decode()
     path = Path(out_dir) / f"{name}.arrow"
-    sink = pa.BufferOutputStream()
-    with ipc.new_file(sink, table.schema) as w:
-        w.write_table(table)
-    atomic_write_bytes(path, sink.getvalue().to_pybytes())
+    atomic_write_bytes(path, table_bytes(table))
     write_manifest(Path(out_dir))
     return path
 
 
+def manifest_bytes(files: Mapping[str, str]) -> bytes:
+    """The manifest.json of a result folder: {file name: sha256}."""
+    return json.dumps({"schema_version": SCHEMA_VERSION, "files": dict(files)}, indent=1, sort_keys=True).encode()
+
+
 def write_manifest(out_dir: Path) -> None:
-    files = {p.name: sha256_file(p) for p in sorted(out_dir.glob("*.arrow"))}
-    body = json.dumps({"schema_version": SCHEMA_VERSION, "files": files}, indent=1, sort_keys=True)
-    atomic_write_bytes(out_dir / MANIFEST, body.encode())
+    atomic_write_bytes(out_dir / MANIFEST, manifest_bytes({p.name: sha256_file(p) for p in sorted(out_dir.glob("*.arrow"))}))
 
 
 def read_table(path: Path) -> pa.Table:
@@ -312,6 +366,9 @@ def validate(table: pa.Table, label: str) -> pa.Table:
         table = _upgrade(table, name)
         names = table.schema.names
     want = SCHEMAS[name]
+    unknown = [n for n in names if n not in want.names]
+    if unknown:  # a reader of the table (the README's one-line reads included) would take them for ours
+        raise SchemaError(f"{label}: unknown column(s) {[n[:40] for n in unknown[:5]]}, not in the {name} table")
     for f in want:
         if f.name not in names:
             raise SchemaError(f"{label}: missing column {f.name!r}")
@@ -326,17 +383,58 @@ def validate(table: pa.Table, label: str) -> pa.Table:
     return table
 
 
+def _first(mask: pa.ChunkedArray | pa.Array) -> int | None:
+    """Index of the first true value of a boolean column (nulls count as false), or None."""
+    i = pc.index(pc.fill_null(mask, False), True).as_py()
+    return None if i < 0 else i
+
+
+def _shown(x: float) -> str:
+    return str(int(x)) if math.isfinite(x) and x == int(x) and abs(x) < 1e15 else f"{x:g}"
+
+
+def check_values(table: pa.Table, label: str) -> None:
+    """Every value within what a real run can write: at most MAX_ROWS rows, numbers finite and within
+    BOUNDS, states one of STATES, strings of at most MAX_TEXT characters. SchemaError names the first
+    bad row (counted from 1) and its column."""
+    name = table.schema.metadata[b"kdbench.table"].decode()
+    if table.num_rows > MAX_ROWS:
+        raise SchemaError(f"{label}: {table.num_rows} rows, over the {MAX_ROWS}-row bound (no full sweep writes that many)")
+    bounds, states = BOUNDS.get(name, {}), STATES.get(name, {})
+    for f in table.schema:
+        col = table.column(f.name)
+        if pa.types.is_floating(f.type) or pa.types.is_integer(f.type):
+            low, high = bounds.get(f.name, (-math.inf, math.inf))
+            bad = pc.or_(pc.less(col, low), pc.greater(col, high))
+            why = f"must be within {_shown(low)}..{_shown(high)}"
+            if pa.types.is_floating(f.type):
+                bad, why = pc.or_(bad, pc.invert(pc.is_finite(col))), f"must be finite and within {_shown(low)}..{_shown(high)}"
+        elif f.name in states:
+            bad, why = pc.invert(pc.is_in(col, pa.array(states[f.name]))), f"must be one of {states[f.name]}"
+        elif pa.types.is_string(f.type):
+            bad, why = pc.greater(pc.utf8_length(col), MAX_TEXT), f"longer than {MAX_TEXT} characters"
+        else:
+            continue
+        i = _first(bad)
+        if i is not None:
+            value = col[i].as_py()
+            shown = f"{len(value)} characters" if isinstance(value, str) and len(value) > 40 else repr(value)
+            raise SchemaError(f"{label} row {i + 1}, column {f.name!r}: {shown} {why}")
+
+
 def check_run_tables(host: str, run_id: str, tables: Mapping[str, pa.Table],
                      sources: tuple[str, ...] = SOURCES) -> None:
     """What a run's tables must agree on before they are stored: each holds the table its name says,
-    every row belongs to `run_id` with a source in `sources`, and runs.arrow (when given) has rows,
-    one source, and names `host`. Pull (per file, sources=measured) and ingest use this one check."""
+    every value is one a run can write (`check_values`), every row belongs to `run_id` with a source in
+    `sources`, and runs.arrow (when given) has rows, one source, and names `host`. Pull (per file,
+    sources=measured) and ingest use this one check."""
     for name, table in tables.items():
         label = f"{name}.arrow"
         validate(table, label)
         if table.schema.metadata[b"kdbench.table"].decode() != name:
             raise SchemaError(f"{label}: holds table {table.schema.metadata[b'kdbench.table'].decode()!r}, "
                               "not what its name says")
+        check_values(table, label)
         ids = set(table.column("run_id").to_pylist())
         if ids - {run_id}:
             raise SchemaError(f"{label}: run_id {sorted(ids - {run_id})[:3]}, expected {run_id!r}")

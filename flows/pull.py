@@ -2,8 +2,9 @@
 
 A file is accepted when it is one of the known tables, under the size cap, its sha256 matches
 the host's manifest, it passes engine.schema.read_table (read whole into memory, uncompressed,
-every offset checked) and the same per-run check ingest applies (engine.schema.check_run_tables:
-its run, its host, and only `measured` rows: a host cannot send projections). Anything else is
+every offset checked, no column the contract lacks) and the same per-run check ingest applies
+(engine.schema.check_run_tables: its run, its host, only `measured` rows, so a host cannot send
+projections, and every value one a run can write: rows bounded, numbers finite and in range). Anything else is
 quarantined under `<artifacts>/quarantine/host=<h>/run=<id>/` with a `.reason` file beside it, and
 named in the run's logs and notes; it is never ingested. One bad file never stops the others.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from engine.schema import (MANIFEST, MAX_FILE_BYTES, TABLES, SchemaError, check_run_tables, provenance,
+from engine.schema import (MANIFEST, MAX_FILE_BYTES, MAX_TEXT, TABLES, SchemaError, check_run_tables, provenance,
                            read_table, sha256_file, to_table, write_manifest, write_table)
 from flows.ssh import Remote, TransferError
 from flows.store import Store, check_name
@@ -131,7 +132,8 @@ def record_unfinished(pulled: Pulled, run_id: str, host: str, profile: str, unfi
         why = unfinished.get(row["suite"])
         if why and row["status"] != "partial":
             row["status"], changed = "partial", True
-            row["note"] = "; ".join(filter(None, [row["note"], f"{why} seen by the controller"]))
+            ours = f"{why} seen by the controller"
+            row["note"] = "; ".join(filter(None, [(row["note"] or "")[:MAX_TEXT - len(ours) - 2], ours]))
     have = {r["suite"] for r in rows}
     added = [{"run_id": run_id, "host": host, "suite": suite, "profile": profile, "status": "partial",
               "payload_hash": payload_hash, "points": points, "source": "measured", "note": note}

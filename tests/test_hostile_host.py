@@ -5,6 +5,7 @@ cost a good file of the same pull or anything already ingested."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Callable
@@ -14,7 +15,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from engine.schema import SchemaError, read_table, to_table, write_manifest, write_table
+from engine.schema import MAX_ROWS, SchemaError, read_table, to_table, write_manifest, write_table
 from flows import pull as pull_mod
 from flows import ssh
 from flows.notes import measured_runs
@@ -172,15 +173,16 @@ def _runs(**over: object) -> pa.Table:
                               "status": "complete", "source": "measured", **over}], PROV)
 
 
-def _kernels(n: int = 3, source: str = "measured") -> pa.Table:
+def _kernels(n: int = 3, source: str = "measured", **over: object) -> pa.Table:
     return to_table("kernels", [{"run_id": RUN, "kernel": "moe_w4a16", "impl": "torch", "dtype": "bf16",
                                  "device": "cpu", "M": i, "time_us_p50": 10.0, "bytes": 1e6, "flops": 1e6,
-                                 "source": source} for i in range(n)], PROV)
+                                 "source": source, **over} for i in range(1, n + 1)], PROV)
 
 
-def _e2e() -> pa.Table:
+def _e2e(**over: object) -> pa.Table:
     return to_table("e2e", [{"run_id": RUN, "config": "k2-mini", "device": "cpu", "concurrency": 1,
-                             "budget": b, "tokens_per_s": 5.0, "source": "measured"} for b in (16, 32, 64)], PROV)
+                             "budget": b, "tokens_per_s": 5.0, "source": "measured", **over} for b in (16, 32, 64)],
+                    PROV)
 
 
 def _raw(path: Path, table: pa.Table, compression: str | None = None) -> None:
@@ -238,6 +240,30 @@ def _oversize(out: Path) -> None:
     write_table(out, _kernels(n=2000))
 
 
+def _with_column(t: pa.Table, name: str, value: object) -> pa.Table:
+    """`t` with one more column, as a host may send it (to_table refuses unknown columns)."""
+    return pa.Table.from_arrays([*t.columns, pa.array([value] * t.num_rows)],
+                                schema=pa.schema([*t.schema, pa.field(name, pa.string())], metadata=t.schema.metadata))
+
+
+# values a host may send that pass every type check (N1, N4, N10): refused at the door, row and column named
+VALUES: dict[str, tuple[Callable[[Path], None], str, str]] = {
+    "zero-time": (lambda out: write_table(out, _kernels(time_us_p50=0.0)), "kernels.arrow",
+                  "row 1, column 'time_us_p50': 0.0 must be finite"),
+    "nan-time": (lambda out: write_table(out, _kernels(time_us_p50=float("nan"))), "kernels.arrow",
+                 "row 1, column 'time_us_p50': nan"),
+    "zero-kernel-ms": (lambda out: write_table(out, _e2e(kernel_ms=0.0, outside_ms=0.0)), "e2e.arrow",
+                       "row 1, column 'kernel_ms'"),
+    "absurd-shape": (lambda out: write_table(out, _kernels(M=10 ** 12)), "kernels.arrow", "column 'M'"),
+    "infinite-ceiling": (lambda out: write_table(out, _runs(copy_gbps=float("inf"))), "runs.arrow",
+                         "column 'copy_gbps': inf"),
+    "unknown-column": (lambda out: _raw(out / "kernels.arrow", _with_column(_kernels(), "host", "evil")),
+                       "kernels.arrow", "unknown column(s) ['host']"),
+    "too-many-rows": (lambda out: write_table(out, _kernels(n=MAX_ROWS + 1)), "kernels.arrow",
+                      f"{MAX_ROWS + 1} rows, over the {MAX_ROWS}-row bound"),
+}
+
+
 # (what the host does, the file it spoils, words of the reason); the other files stay good
 CASES: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "bad-offsets": (_bad_offsets, "e2e.arrow", "invalid Arrow data"),
@@ -249,6 +275,7 @@ CASES: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "run-labelled-projected": (_projected_run, "runs.arrow", "only measured"),
     "oversize": (_oversize, "kernels.arrow", "cap"),
     "run-of-another-host": (_other_host, "runs.arrow", "names host"),
+    **VALUES,
 }
 
 
@@ -343,10 +370,10 @@ def test_read_table_refuses_what_would_crash_a_reader(tmp_path: Path) -> None:
         for t in (_runs(), _kernels(), _e2e()):
             write_table(d, t)
         spoil(d)
-        if case.endswith("projected") or case == "run-of-another-host":
+        if case.endswith("projected") or case == "run-of-another-host" or (case in VALUES and case != "unknown-column"):
             read_table(d / bad)  # a valid file, refused at pull by check_run_tables
             continue
-        with pytest.raises(SchemaError, match=words):
+        with pytest.raises(SchemaError, match=re.escape(words)):
             read_table(d / bad)
 
 
@@ -368,3 +395,20 @@ def test_a_far_future_started_at_does_not_stay_latest(tmp_path: Path) -> None:
     manifest.write_text(json.dumps(m))
     assert [r.run_id for r in store.runs(HOST)][-1] == later
     assert measured_runs(store, HOST)[-1].run_id == later  # what the notes call the latest run
+
+
+def test_a_failed_suite_with_a_hostile_runs_table_still_ingests_the_good_files(hostile, tmp_path: Path) -> None:
+    """N10: an unknown column passed pull, and when a suite had also failed, `record_unfinished` refused
+    it between pull and ingest: the flow failed with none of the run's good files ingested or quarantined."""
+    sbx, host, out, store = hostile
+    write_table(out, _kernels())
+    _raw(out / "runs.arrow", _with_column(_runs(), "host_note", "x"))
+    write_manifest(out)
+    with Remote(host, sbx.hosts_dir) as r:
+        pulled = pull(r, str(out), tmp_path / "staging", HOST, RUN)
+    assert "unknown column" in pulled.quarantined["runs.arrow"]
+    record_unfinished(pulled, RUN, HOST, "smoke", {"e2e": "failed"}, None)
+    assert quarantine(store, HOST, RUN, pulled)
+    info = store.ingest(HOST, RUN, pulled.accepted_dir)
+    assert (info.status, info.suites) == ("partial", ["e2e", "kernels"])
+    assert store.load(HOST, RUN)["kernels"].num_rows == 3
