@@ -5,6 +5,8 @@ Layout under the root (a local path or any pyarrow filesystem URI such as s3://b
     <table>/host=<host>/run=<run_id>/part-0.parquet   one file per result table of a run (runs, kernels, e2e, comm)
     _manifests/host=<host>/run=<run_id>.json          written last: the run is complete; its summary and sha256s
     quarantine/host=<host>/run=<run_id>/...           rejected files and why (flows.pull)
+    quarantine/_manifests/...                         manifests `reindex` set aside (unreadable, or naming files
+                                                      that are not their run's own), each with a `.reason`
     backtest/backtest.json                            the latest backtest results (flows.backtest)
     reference/<name>/<table>.arrow                    committed reference datasets, as engine.bench wrote them
 
@@ -17,14 +19,18 @@ and ingest writes it after every table file, the runs table last of those. There
 each run owns its objects, so concurrent ingests on S3 (one atomic PUT per object, no lock) cannot
 lose each other's runs. The partition key is `run`, not `run_id`, because every table already carries
 a `run_id` column; `host` is also a column of the runs table, where ingest checks it equals the
-partition value. Nothing is stored without passing engine.schema.validate, and nothing is read back
-without it either.
+partition value. Nothing is stored without passing engine.schema.check_run_tables (the contract and
+every value), and nothing is read back without engine.schema.validate either: a part is read only
+through its run's manifest, which must name the run's own partition paths; it is size-bounded,
+digest-checked, and its Parquet footer's row count and decoded size are checked before it is decoded.
+A manifest that cannot be read is skipped by readers (logged) and set aside by `reindex`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,7 +42,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ValidationError
 
 from engine.files import atomic_write_bytes
-from engine.schema import (MAX_FILE_BYTES, SCHEMAS, TABLES, SchemaError, check_run_tables, parse_table,
+from engine.schema import (MAX_FILE_BYTES, MAX_ROWS, SCHEMAS, TABLES, SchemaError, check_run_tables, parse_table,
                            read_table, validate)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
@@ -44,7 +50,9 @@ MANIFESTS = "_manifests"
 PART = "part-0.parquet"
 LAYOUT = 2  # 1: runs/host=<h>/run=<id>/<table>.arrow with runs/_index.jsonl (flows.store_migrate reads it)
 OLD_INDEX = "runs/_index.jsonl"
+SET_ASIDE = "quarantine/_manifests"
 _MAX_MANIFEST = 1 << 20
+log = logging.getLogger(__name__)
 
 
 class StoreError(Exception):
@@ -85,6 +93,7 @@ class Reindexed(BaseModel):
     written: list[str] = []          # host/run whose manifest was (re)written
     unchanged: list[str] = []
     removed: list[str] = []          # manifests of runs with no files left
+    set_aside: dict[str, str] = {}   # manifest path -> why it could not be used (moved under quarantine/_manifests/)
     orphans: list[str] = []          # partitions without a runs table: an ingest that never finished
     bad: dict[str, str] = {}         # host/run -> why its files did not validate
 
@@ -129,6 +138,24 @@ def part_path(table: str, host: str, run_id: str) -> str:
 
 def manifest_path(host: str, run_id: str) -> str:
     return f"{MANIFESTS}/host={host}/run={run_id}.json"
+
+
+def parse_manifest(rel: str, data: bytes) -> Manifest:
+    """A stored manifest, trusted only as far as it names its own run: its Hive key, and for each
+    table that run's own partition path (never `../` or another run's file), within the row bound.
+    StoreError says what is wrong."""
+    try:
+        m = Manifest.model_validate_json(data)
+    except ValidationError as e:
+        raise StoreError(f"{rel}: not a kdbench run manifest ({str(e.errors()[0]['msg'])[:200]})") from None
+    if hive_key(rel) != (m.host, m.run_id):
+        raise StoreError(f"{rel}: names run {m.run_id[:80]!r} of {m.host[:80]!r}, not the run its path names")
+    for table, f in m.files.items():
+        if table not in TABLES or f.path != part_path(table, m.host, m.run_id):
+            raise StoreError(f"{rel}: table {table[:40]!r} at {f.path[:120]!r}, not the run's own partition path")
+        if not 0 <= f.rows <= MAX_ROWS:
+            raise StoreError(f"{rel}: table {table} of {f.rows} rows, over the {MAX_ROWS}-row bound")
+    return m
 
 
 def hive_key(path: str) -> tuple[str, str] | None:
@@ -180,12 +207,16 @@ class Store:
             raise StoreError(f"{rel}: larger than {limit} bytes")
         return data
 
-    def _read_part(self, rel: str, sha256: str) -> pa.Table:
-        """A stored Parquet file, checked against the digest its manifest recorded and the schema."""
-        data = self.read_bytes(rel)
-        if hashlib.sha256(data).hexdigest() != sha256:
-            raise SchemaError(f"{rel}: sha256 differs from the run's manifest (changed after ingest)")
-        return _parse_part(rel, data)
+    def _read_part(self, f: StoredFile) -> pa.Table:
+        """A stored Parquet file, size-bounded, checked against the digest and row count its manifest
+        recorded, then against the schema."""
+        try:
+            data = self.read_bytes(f.path, MAX_FILE_BYTES)
+        except StoreError as e:
+            raise SchemaError(str(e)) from None
+        if hashlib.sha256(data).hexdigest() != f.sha256:
+            raise SchemaError(f"{f.path}: sha256 differs from the run's manifest (changed after ingest)")
+        return _parse_part(f.path, data, f.rows)
 
     def read_arrow(self, rel: str) -> pa.Table:
         """An Arrow IPC file under the root (reference datasets, layout-1 runs), checked as a pulled file is."""
@@ -266,20 +297,23 @@ class Store:
         which run is latest."""
         self._check_old_layout()
         folder = f"{MANIFESTS}/host={check_name('host', host)}" if host else MANIFESTS
-        out = []
+        good, _ = self._manifests_under(folder)
+        return sorted(good.values(), key=lambda m: (m.ingested_at or "", m.run_id))
+
+    def _manifests_under(self, folder: str) -> tuple[dict[str, Manifest], dict[str, str]]:
+        """(path -> manifest, path -> why unusable) of every .json file below `folder`. One bad
+        manifest costs its own run only: readers skip it (logged), `reindex` sets it aside."""
+        good, bad = {}, {}
         for i in self.files_under(folder):
             if not i.base_name.endswith(".json"):
                 continue
             rel = i.path[len(self.base) + 1:]
             try:
-                m = Manifest.model_validate_json(self.read_bytes(rel, _MAX_MANIFEST))
-            except ValidationError as e:
-                raise StoreError(f"{rel}: not a kdbench run manifest ({e.errors()[0]['msg']}); "
-                                 "`kdbench store reindex` rebuilds it from the run's files") from None
-            if hive_key(rel) != (m.host, m.run_id):
-                raise StoreError(f"{rel}: names run {m.run_id} of {m.host}; `kdbench store reindex` rebuilds it")
-            out.append(m)
-        return sorted(out, key=lambda m: (m.ingested_at or "", m.run_id))
+                good[rel] = parse_manifest(rel, self.read_bytes(rel, _MAX_MANIFEST))
+            except StoreError as e:
+                bad[rel] = str(e)
+                log.warning("%s; skipped (`kdbench store reindex` sets it aside and rebuilds the run's manifest)", e)
+        return good, bad
 
     def runs(self, host: str | None = None) -> list[RunInfo]:
         """Complete (manifested) runs in the order they were stored (see `manifests`), optionally of one host."""
@@ -291,14 +325,14 @@ class Store:
         if not self.exists(self.full(rel)):
             self._check_old_layout()
             raise StoreError(f"no run {run_id} of host {host} in the store")
-        return Manifest.model_validate_json(self.read_bytes(rel, _MAX_MANIFEST))
+        return parse_manifest(rel, self.read_bytes(rel, _MAX_MANIFEST))
 
     def run(self, host: str, run_id: str) -> RunInfo:
         """One run's summary; StoreError when the store has no complete run of that id."""
         return self.manifest(host, run_id).info()
 
     def load(self, host: str, run_id: str) -> dict[str, pa.Table]:
-        return {t: self._read_part(f.path, f.sha256) for t, f in self.manifest(host, run_id).files.items()}
+        return {t: self._read_part(f) for t, f in self.manifest(host, run_id).files.items()}
 
     def reference(self, name: str) -> dict[str, pa.Table]:
         """A committed reference dataset (artifacts/reference/<name>/), validated like any run."""
@@ -316,17 +350,24 @@ class Store:
                       if i.type == pafs.FileType.Directory and self.exists(f"{i.path}/runs.arrow"))
 
     def dataset(self, table: str) -> ds.Dataset:
-        """One table across all complete runs, with `host` and `run` from the Hive partition folders.
+        """One table across all complete runs, with `host` and `run` as the Hive partition folders name them.
 
-        Only files a manifest names are read: a run still being ingested, or one whose ingest was
-        cut short, never shows up here (a raw glob over <table>/ may see it).
+        Only files a manifest names are read, each as `load` reads it (size-bounded, digest-checked,
+        validated): a run still being ingested, or one whose ingest was cut short, never shows up here
+        (a raw glob over <table>/ may see it).
         """
         if table not in TABLES:
             raise StoreError(f"unknown table {table!r}; tables are {', '.join(TABLES)}")
-        files = sorted(self.full(m.files[table].path) for m in self.manifests() if table in m.files)
-        keys = pa.schema([("host", pa.string()), ("run", pa.string())])
-        return ds.dataset(files, schema=_dataset_schema(table), filesystem=self.fs, format="parquet",
-                          partitioning=ds.partitioning(keys, flavor="hive"), partition_base_dir=self.full(table))
+        schema = _dataset_schema(table)
+        parts = []
+        for m in sorted(self.manifests(), key=lambda m: m.files[table].path if table in m.files else ""):
+            if table in m.files:
+                t = self._read_part(m.files[table])
+                keys = {"host": m.host, "run": m.run_id}
+                cols = [t.column(f.name) if f.name in t.schema.names else pa.array([keys[f.name]] * t.num_rows, f.type)
+                        for f in schema]
+                parts.append(pa.Table.from_arrays(cols, schema=schema))
+        return ds.dataset(parts, schema=schema)
 
     # -- derived state ---------------------------------------------------------------------
 
@@ -336,10 +377,22 @@ class Store:
 
         A run whose runs table is there has all its files (ingest writes that table last), so it is
         (re)indexed; partitions without one are orphans of an ingest that never finished and are
-        only reported, like runs whose files do not validate. Manifests of runs with no files left
-        are removed. Nothing under a table folder is ever deleted.
+        only reported, like runs whose files do not validate. A manifest that cannot be used (not
+        parseable, naming another run or files outside its run's partitions) is set aside under
+        quarantine/_manifests/ with a `.reason`, and rebuilt from the run's files when they are there.
+
+        Manifests are listed before the table folders: a manifest is written after all its run's
+        files, so an ingest landing between the two listings has its files seen too. A manifest is
+        removed only when, checked again just before, none of its run's files exist. Nothing under
+        a table folder is ever deleted.
         """
         self._check_old_layout()
+        good, bad = self._manifests_under(MANIFESTS)
+        report = Reindexed()
+        for rel, why in sorted(bad.items()):
+            self._set_aside_manifest(rel, why)
+            report.set_aside[rel] = why
+        existing = {(m.host, m.run_id): m for m in good.values()}
         found: dict[tuple[str, str], dict[str, str]] = {}
         stored: dict[tuple[str, str], str] = {}  # when each runs table was written (just before its manifest)
         for table in TABLES:
@@ -349,15 +402,9 @@ class Store:
                     found.setdefault(key, {})[table] = i.path[len(self.base) + 1:]
                     if table == "runs" and i.mtime is not None:
                         stored[key] = i.mtime.astimezone(timezone.utc).isoformat(timespec="microseconds")
-        report = Reindexed()
-        existing = {}
-        for i in self.files_under(MANIFESTS):
-            key = hive_key(i.path)
-            if key:
-                existing[key] = i.path[len(self.base) + 1:]
-        for key, rel in sorted(existing.items()):
-            if key not in found:
-                self.fs.delete_file(self.full(rel))
+        for key in sorted(set(existing) - set(found)):
+            if not any(self.exists(self.full(part_path(t, *key))) for t in TABLES):
+                self.fs.delete_file(self.full(manifest_path(*key)))
                 report.removed.append("/".join(key))
         for (host, run_id), parts in sorted(found.items()):
             label = f"{host}/{run_id}"
@@ -366,19 +413,14 @@ class Store:
                 continue
             try:
                 check_name("host", host), check_name("run id", run_id)
-                datas = {t: self.read_bytes(rel) for t, rel in parts.items()}
+                datas = {t: self.read_bytes(rel, MAX_FILE_BYTES) for t, rel in parts.items()}
                 tables = {t: _parse_part(rel, datas[t]) for t, rel in parts.items()}
                 check_run_tables(host, run_id, tables)
                 info = run_info(host, run_id, tables)
             except (SchemaError, StoreError) as e:
                 report.bad[label] = str(e)
                 continue
-            old = None
-            if (host, run_id) in existing:
-                try:
-                    old = self.manifest(host, run_id)
-                except (ValidationError, StoreError):
-                    old = None
+            old = existing.get((host, run_id)) or self._landed(host, run_id)
             files = {t: StoredFile(path=parts[t], sha256=hashlib.sha256(datas[t]).hexdigest(),
                                    rows=tables[t].num_rows) for t in sorted(parts)}
             info.ingested_at = old.ingested_at if old else stored.get((host, run_id))
@@ -390,13 +432,41 @@ class Store:
                 report.written.append(label)
         return report
 
+    def _landed(self, host: str, run_id: str) -> Manifest | None:
+        """The manifest an ingest wrote after reindex listed the manifests, if one did (its time is kept)."""
+        try:
+            return self.manifest(host, run_id)
+        except StoreError:
+            return None
 
-def _parse_part(rel: str, data: bytes) -> pa.Table:
+    def _set_aside_manifest(self, rel: str, why: str) -> None:
+        """Move an unusable manifest out of _manifests/ (readers then stop tripping on it), its reason beside it."""
+        dest = f"{SET_ASIDE}/{rel[len(MANIFESTS) + 1:]}"
+        self.write_bytes(f"{dest}.reason", (why + "\n").encode())
+        self.fs.create_dir(self.full(dest.rsplit("/", 1)[0]), recursive=True)
+        self.fs.move(self.full(rel), self.full(dest))
+
+
+def _parse_part(rel: str, data: bytes, rows: int | None = None) -> pa.Table:
+    """One Parquet part, its footer checked before anything is decoded: at most MAX_ROWS rows (and the
+    `rows` its manifest recorded), at most MAX_FILE_BYTES decoded, so a small file cannot claim
+    gigabytes; then every offset and the contract."""
     try:
-        table = pq.read_table(pa.BufferReader(data))
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        meta = pf.metadata
+        decoded = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        if meta.num_rows > MAX_ROWS or (rows is not None and meta.num_rows != rows):
+            want = f"its manifest's {rows}" if rows is not None and meta.num_rows <= MAX_ROWS else f"the {MAX_ROWS}-row bound"
+            raise SchemaError(f"{rel}: its footer says {meta.num_rows} rows, not {want}; not decoded")
+        if meta.num_columns > max(len(schema) for schema in SCHEMAS.values()):
+            raise SchemaError(f"{rel}: its footer says {meta.num_columns} columns, more than any table has; not decoded")
+        if decoded > MAX_FILE_BYTES:
+            raise SchemaError(f"{rel}: its footer says {decoded} bytes decoded, over the {MAX_FILE_BYTES}-byte "
+                              "bound; not decoded")
+        table = pf.read()
         table.validate(full=True)
     except (pa.ArrowInvalid, OSError) as e:
-        raise SchemaError(f"{rel}: not a readable Parquet file ({e})") from None
+        raise SchemaError(f"{rel}: not a readable Parquet file ({str(e)[:200]})") from None
     return validate(table, rel)
 
 

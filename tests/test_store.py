@@ -110,9 +110,12 @@ def test_reindex_rebuilds_manifests_and_reports_orphans(tmp_path: Path, pulled: 
     assert store.reindex().unchanged == ["h200/h200-1"]
 
     manifest.write_text("{not json")
-    with pytest.raises(StoreError, match="store reindex"):
-        store.runs()
-    assert store.reindex().written == ["h200/h200-1"]
+    assert store.runs() == []  # an unreadable manifest costs its own run, never every run's listing
+    report = store.reindex()  # sets it aside, with the reason, and rebuilds it from the run's files
+    assert report.written == ["h200/h200-1"] and list(report.set_aside) == ["_manifests/host=h200/run=h200-1.json"]
+    assert (art / "quarantine" / "_manifests" / "host=h200" / "run=h200-1.json").read_text() == "{not json"
+    assert "not a kdbench run manifest" in \
+        (art / "quarantine" / "_manifests" / "host=h200" / "run=h200-1.json.reason").read_text()
     rebuilt, want = json.loads(manifest.read_bytes()), json.loads(good)
     assert rebuilt.pop("ingested_at") >= want.pop("ingested_at")  # the runs table's mtime: written just after
     assert rebuilt == want
@@ -124,7 +127,7 @@ def test_reindex_rebuilds_manifests_and_reports_orphans(tmp_path: Path, pulled: 
     # a manifest whose files are gone: removed
     gone = art / "_manifests" / "host=b300" / "run=old.json"
     gone.parent.mkdir()
-    gone.write_bytes(good.replace(b"h200-1", b"old").replace(b'"h200"', b'"b300"'))
+    gone.write_bytes(good.replace(b"h200-1", b"old").replace(b"h200", b"b300"))
     res = CliRunner().invoke(app, ["store", "reindex", "--artifacts", str(art)])
     assert res.exit_code == 1, res.output
     assert "orphan h200/cut-short" in res.output and "1 removed" in res.output
