@@ -33,11 +33,16 @@ RetiredReason = Literal["unauthorized", "host_key_changed", "released", "unreach
 Interconnect = Literal["pcie", "nvlink", "none"]
 
 SAFE_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}\Z")  # \Z: `$` would let a trailing newline pass
+# The pages docs/notes/ holds beside the host pages (<host>.md): no host may be named like one, in
+# any letter case (a case-insensitive checkout would make readme.md and README.md one file).
+INDEX_PAGE = "README"
+PAGE_NAMES = (INDEX_PAGE,)
 # Addresses that mark a shipped file the owner has not filled in yet; never contacted.
 PLACEHOLDER_MARKERS = ("replace-me", ".example", ".invalid")
 LOCK_DIR = ".locks"
 MAX_FILE_BYTES = 64 * 1024  # a host file is a screenful; anything larger is not one
 MAX_SHOWN = 80              # characters of a bad value quoted back in a message
+MAX_DEPTH = 16              # YAML nesting: a host file has two levels (host_keys); deeper is not one
 # What the flows write back: the only fields a notes commit records of a host file (the operator's
 # address, user, key path and everything else stay as the committed file has them).
 STATUS_FIELDS = ("status", "retired_reason", "retired_at", "presented_host_key_fingerprint",
@@ -99,6 +104,8 @@ class Host(BaseModel):
                 "must be a safe identifier: lower-case letter first, then letters, digits, '-' or '_'"
                 " (at most 63 characters)"
             )
+        if is_page_name(v):
+            raise ValueError(f"{v!r} is the name of a page the notes index writes (docs/notes/{INDEX_PAGE}.md)")
         return v
 
     @field_validator("work_dir", "python")
@@ -159,6 +166,11 @@ class Inventory:
     specs: dict[str, Spec] = field(default_factory=dict)
 
 
+def is_page_name(name: str) -> bool:
+    """Whether a host named `name` would take the file of a page the notes index writes."""
+    return name.lower() in {p.lower() for p in PAGE_NAMES}
+
+
 def parse_public_key(line: str) -> paramiko.PKey:
     """An OpenSSH public key line ("ssh-ed25519 AAAA... [comment]") as a paramiko key."""
     parts = line.split()
@@ -217,13 +229,24 @@ def display_path(path: Path) -> str:
 
 def parse_yaml(text: str, where: str) -> Any:
     """One YAML document, round-trip; anchors and aliases are refused (an alias bomb of a few
-    hundred bytes expands exponentially, and nothing in a host file needs them)."""
+    hundred bytes expands exponentially, and nothing in a host file needs them), and so is nesting
+    deeper than MAX_DEPTH, before anything is composed: the composer recurses once per level, and the
+    scanner's work per token grows with the depth, so a 64 KiB `[[[[...` would take minutes."""
     try:
+        depth = 0
         for event in _yaml().parse(text):
-            if type(event).__name__ == "AliasEvent" or getattr(event, "anchor", None):
+            kind = type(event).__name__
+            if kind == "AliasEvent" or getattr(event, "anchor", None):
                 raise InventoryError(f"{where}: YAML anchors and aliases are not allowed "
                                      f"(line {event.start_mark.line + 1})")
+            depth += kind in ("MappingStartEvent", "SequenceStartEvent")
+            depth -= kind in ("MappingEndEvent", "SequenceEndEvent")
+            if depth > MAX_DEPTH:
+                raise InventoryError(f"{where}: YAML nested deeper than {MAX_DEPTH} levels "
+                                     f"(line {event.start_mark.line + 1}); not a host file")
         return _yaml().load(text)
+    except RecursionError:
+        raise InventoryError(f"{where}: YAML nested too deeply to read; not a host file") from None
     except YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

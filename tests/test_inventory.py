@@ -215,3 +215,23 @@ def test_names_with_a_trailing_newline_are_refused(inv_dir: Path) -> None:
     with pytest.raises(ValueError, match="bad environment variable name"):
         remote_command(["true"], timeout_s=1, env={"PATH\n": "x"})
     assert "cd -- -x &&" in remote_command(["true"], timeout_s=1, cwd="-x")
+
+
+@pytest.mark.timeout(60)  # a guard, not a speed goal: the unbounded scan of a 64 KiB file took 412 s
+@pytest.mark.parametrize("doc", ["notes: " + "[" * 1000 + "]" * 1000 + "\n", "[" * 65_000])
+def test_deep_yaml_gives_a_short_message(inv_dir: Path, doc: str) -> None:
+    """N3: deep nesting escaped as a RecursionError (a 214 KB traceback from every command), and the
+    anchor check's event scan was quadratic in the depth."""
+    (inv_dir / "box.yaml").write_text(BOX.replace("notes: keep me\n", "") + doc if doc.startswith("notes") else doc)
+    result = CliRunner().invoke(app, ["hosts", "list", "--hosts", str(inv_dir)])
+    assert result.exit_code == 2 and "box.yaml" in result.output, result.output[-500:]
+    assert "nested deeper than 16 levels" in " ".join(result.output.split())
+    assert len(result.output) < 500 and "Traceback" not in result.output
+
+
+def test_a_host_cannot_be_named_like_the_notes_index(inv_dir: Path) -> None:
+    """N15: the fleet index is docs/notes/README.md; a host `readme` would share its file on a
+    case-insensitive checkout (upper case is no host name at all)."""
+    (inv_dir / "readme.yaml").write_text(BOX.replace("name: box", "name: readme"))
+    with pytest.raises(InventoryError, match="readme.yaml: field 'name': 'readme' is the name of a page the notes index"):
+        load_inventory(inv_dir)
