@@ -18,7 +18,7 @@ from flows.inventory import (
     Host, InventoryError, RetiredReason, activate, default_hosts_dir, fingerprint, key_line,
     load_host, load_inventory, now, retire, update_host, validation_message, write_new_host,
 )
-from flows.scrub import plain
+from flows.scrub import line
 
 if TYPE_CHECKING:
     from flows.ssh import ProbeResult
@@ -40,7 +40,7 @@ def _dir(hosts: Optional[Path]) -> Path:
 
 def fail(message: str, code: int = 2) -> typer.Exit:
     """Print one clear message (no traceback) and return the Exit to raise."""
-    err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -139,24 +139,19 @@ def trust(
         out.print(f"{name} is still retired ({host.retired_reason}); `kdbench hosts activate {name}` to use it")
 
 
-def _safe(v: object) -> str:
-    """A host-reported value for the terminal: one plain line (no control sequences), no rich markup."""
-    return escape(plain(v))
-
-
 def _show(r: ProbeResult) -> None:
     colour = "green" if r.outcome == "ok" else "red"
-    out.print(f"{r.host}: [{colour}]{r.outcome}[/{colour}] ({r.elapsed_s:.2f} s) {_safe(r.detail)}", highlight=False)
+    out.print(f"{r.host}: [{colour}]{r.outcome}[/{colour}] ({r.elapsed_s:.2f} s) {line(r.detail)}", highlight=False)
     if r.outcome == "host_key_changed":
         out.print(f"  pinned {', '.join(r.pinned_fingerprints) or '-'}; presented {r.presented_fingerprint}",
                   highlight=False)
     if r.outcome == "ok":
         f = r.facts
         gpus = f"{f['gpu_count']}x {f['gpu_names'][0]}" if f["gpu_count"] else "no GPU"
-        out.print("  " + _safe(f"{gpus}, arch {f['arch_found']}, driver {f['driver'] or '-'}, python {f['python']}, "
+        out.print("  " + line(f"{gpus}, arch {f['arch_found']}, driver {f['driver'] or '-'}, python {f['python']}, "
                         f"torch {f['torch']}, triton {f['triton']}, {f['disk_free_gb']} GB free"), highlight=False)
     for m in r.mismatches:
-        out.print(f"  [yellow]mismatch[/yellow] {_safe(m)}", highlight=False)
+        out.print(f"  [yellow]mismatch[/yellow] {line(m)}", highlight=False)
 
 
 @hosts_app.command("check")

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from flows.sandbox import FAULTS, MAX_HOSTS, SandboxError, default_state_dir, down, fault, status, up
@@ -21,7 +22,7 @@ err = Console(stderr=True)
 
 
 def _fail(e: Exception) -> typer.Exit:
-    err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+    err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 

@@ -3,7 +3,9 @@
 Everything a host sends (GPU names, versions, kernel and config names, error text) is untrusted.
 `plain` turns such a value into one bounded line with addresses, logins and key paths redacted;
 `md` also escapes it for markdown, so it cannot break a table, open a link, load a remote image or
-inject HTML; `fenced` quotes verbatim output in a code block it cannot close. `leaks` is the last
+inject HTML; `line` escapes it for rich instead, for a log record, a terminal or a Prefect artifact
+cell (`prefect deployment run --watch` and kdbench's own CLI render rich markup: `[/x]` would stop
+them, `[link=...]` make a link); `fenced` quotes verbatim output in a code block it cannot close. `leaks` is the last
 check before a page or a commit leaves: it names what the text would reveal. Matching first normalises the text (NFKC, invisible characters dropped) and ignores
 letter case, so an address cannot slip through as `10.0.0.1` split by a zero-width space, in
 full-width digits, or as `GPU-BOX.lab` for `gpu-box.lab`.
@@ -16,9 +18,12 @@ import re
 import unicodedata
 from typing import Any, Callable
 
+from rich.markup import escape
+
 from flows.inventory import Host, Inventory
 
 CAP = 200               # characters kept of one host string
+LINE_CAP = 2000         # of one host line in a log record: far below Prefect's 64 KiB per record
 REDACTED = "[redacted]"
 
 _OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
@@ -109,6 +114,11 @@ def plain(value: Any, inv: Inventory | None = None, cap: int = CAP) -> str:
     text = "".join(" " if unicodedata.category(c) == "Cc" else c for c in normalise(str(value)))
     text = redact(" ".join(text.split()), inv)
     return text if len(text) <= cap else text[: cap - 1] + "…"
+
+
+def line(value: Any, inv: Inventory | None = None, cap: int = LINE_CAP) -> str:
+    """A host string for a log record, a terminal or an artifact cell: `plain`, then rich markup escaped."""
+    return escape(plain(value, inv, cap))
 
 
 def md(value: Any, inv: Inventory | None = None, cap: int = CAP) -> str:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from flows.inventory import InventoryError, load_inventory, repo_root
 
@@ -41,7 +42,7 @@ DEFAULT_PORT = 4200
 
 
 def _fail(message: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 
