@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from flows.inventory import InventoryError, default_hosts_dir, load_inventory, repo_root
@@ -35,7 +36,7 @@ def _expected() -> tuple[type[Exception], ...]:
 
 
 def _fail(message: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 
@@ -110,22 +111,23 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
 
 
 def import_cmd(file: Path = typer.Argument(..., help="CSV or JSON of kernel points or serving results."),
-               name: str = typer.Option(..., "--name", help="Dataset name: writes artifacts/reference/<name>/."),
-               artifacts: Optional[Path] = typer.Option(None, "--artifacts", envvar="KDBENCH_ARTIFACTS",
-                                                        show_default=False, help="Artifacts folder (default: the repo's artifacts/)."),
-               hosts: Optional[Path] = typer.Option(None, "--hosts", envvar="KDBENCH_HOSTS", show_default=False,
-                                                    help="Inventory folder (default: the repo's hosts/).")) -> None:
+               name: str = typer.Option(..., "--name", help="Dataset name: writes reference/<name>/ in the store."),
+               artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir,
+               replace: bool = typer.Option(False, "--replace",
+                                            help="Take a name already in use: kdbench's own measured reference, "
+                                                 "or a host with measured runs.")) -> None:
     """Import outside figures (a kernel sweep, a serving benchmark) as a reference dataset.
 
     The file carries a provenance header (machine, date, source; origin published|outside; host or
     spec; gpus; impl). The dataset then works as `--reference NAME`, and its e2e rows appear on
-    that machine's notes page labelled as outside measurements.
+    that machine's notes page labelled as outside measurements. Importing again under the same name
+    replaces the earlier import; a name kdbench's own data already goes by needs --replace.
     """
     from flows.importer import ImportFileError, import_file
     from flows.store import StoreError, default_root
 
     try:
-        where = import_file(file, name, Path(artifacts or default_root()), load_inventory(hosts or default_hosts_dir()))
-    except (ImportFileError, InventoryError, StoreError) as e:
+        import_file(file, name, artifacts or default_root(), load_inventory(hosts or default_hosts_dir()), replace)
+    except (ImportFileError, InventoryError, StoreError, OSError) as e:
         raise _fail(str(e)) from None
-    out.print(f"wrote {where.parent.name}/{where.name}/ from {file.name}", highlight=False)
+    out.print(f"wrote reference/{escape(name)}/ from {escape(file.name)}", highlight=False)

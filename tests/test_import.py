@@ -35,7 +35,7 @@ def _json(tmp: Path, **doc: object) -> Path:
 
 
 def test_the_shipped_published_figures(tmp_path: Path, inv: Inventory) -> None:
-    out = import_file(SHIPPED, "pro6000-published", tmp_path, inv)
+    out = Path(import_file(SHIPPED, "pro6000-published", tmp_path, inv))
     kern = read_table(out / "kernels.arrow").to_pylist()
     e2e = read_table(out / "e2e.arrow").to_pylist()
     prov = provenance(read_table(out / "runs.arrow"))
@@ -56,11 +56,11 @@ def test_csv_kernel_points_and_serving_benchmark_keys(tmp_path: Path, inv: Inven
     kern = tmp_path / "sweep.csv"
     kern.write_text("# machine: 1x PRO 6000\n# date: 2026-10-01\n# source: my sweep\n# host: pro6000\n"
                     "# impl: marlin\nkernel,M,time_us\nmoe_w4a16,1,150\nmoe_w4a16,16,1100\n")
-    out = import_file(kern, "sweep", tmp_path, inv)
+    out = Path(import_file(kern, "sweep", tmp_path, inv))
     assert [k["M"] for k in read_table(out / "kernels.arrow").to_pylist()] == [1, 16]
     serving = _json(tmp_path, serving=[{"max_concurrency": 4, "output_throughput": 300.5, "median_ttft_ms": 90.0,
                                         "median_itl_ms": 12.5, "tp": 8}])
-    [row] = read_table(import_file(serving, "bench", tmp_path, inv) / "e2e.arrow").to_pylist()
+    [row] = read_table(Path(import_file(serving, "bench", tmp_path, inv)) / "e2e.arrow").to_pylist()
     assert (row["concurrency"], row["tokens_per_s"], row["ttft_ms"], row["itl_ms_p50"], row["layers"]) == \
         (4, 300.5, 90.0, 12.5, 61)
     assert row["comm_source"] == "measured"          # a real 8-GPU run paid its own all-reduces

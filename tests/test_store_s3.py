@@ -22,13 +22,15 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pytest
 from prefect.logging import disable_run_logger
+from typer.testing import CliRunner
 
 from engine.schema import SchemaError, read_table
 from flows.bench_flow import ingest
+from flows.cli import app
 from flows.pull import Pulled, quarantine
 from flows.settings import Settings
 from flows.store import Store, StoreError
-from flows.store_migrate import migrate
+from flows.store_migrate import LOCK, migrate
 from test_projection_synth import write_run
 
 pytestmark = pytest.mark.integration
@@ -217,3 +219,51 @@ def test_s3_store_in_the_old_layout_migrates(s3_root: str, bench_run: Path) -> N
     left = {i.path.removeprefix(f"{store.base}/") for i in store.files_under("runs")}
     assert left == {f"{old}/part-0.parquet"}
     assert store.read_bytes(f"_unmigrated/host=sbx/run={RUN}/stray.txt") == b"kept\n"
+
+
+def test_import_writes_into_the_bucket(s3_root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """N13: `kdbench import --artifacts s3://...` (or with KDBENCH_ARTIFACTS) wrote a local folder named
+    `s3:` and reported success; it takes the URI as every other command does."""
+    monkeypatch.chdir(tmp_path)
+    shipped = REPO / "artifacts" / "reference" / "pro6000-published"
+    res = CliRunner().invoke(app, ["import", str(shipped / "source.json"), "--name", shipped.name, "--artifacts", s3_root])
+    assert res.exit_code == 0, res.output
+    monkeypatch.setenv("KDBENCH_ARTIFACTS", s3_root)
+    res = CliRunner().invoke(app, ["import", str(shipped / "source.json"), "--name", "pub2"])
+    assert res.exit_code == 0, res.output
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())  # no local `s3:` folder, nothing local at all
+    store = Store(s3_root)
+    assert store.references() == [shipped.name, "pub2"]
+    for name, table in store.reference(shipped.name).items():  # what the import wrote locally, byte for byte
+        assert table.equals(read_table(shipped / f"{name}.arrow"), check_metadata=True)
+
+
+def test_s3_migrations_never_run_two_at_once(s3_root: str, bench_run: Path) -> None:
+    """N2 on S3: two migrations started together both rewrote runs; a marker object lets one go on.
+    A killed migration's marker refuses the next one until --break-lock."""
+    store = Store(s3_root)
+    for f in sorted(bench_run.glob("*.arrow")):
+        store.write_bytes(f"runs/host=sbx/run={RUN}/{f.name}", f.read_bytes())
+    store.write_bytes("runs/_index.jsonl", f'{{"host": "sbx", "run_id": "{RUN}"}}\n'.encode())
+    barrier = threading.Barrier(2)
+
+    def one() -> str:
+        s = Store(s3_root)
+        barrier.wait(timeout=30)
+        try:
+            return f"migrated {migrate(s).runs}"
+        except StoreError as e:
+            return f"refused: {e}"
+
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = sorted(pool.map(lambda _: one(), range(2)))
+    assert outcomes[0] == f"migrated ['sbx/{RUN}']" and outcomes[1].startswith("refused: "), outcomes
+    assert "another `kdbench store migrate`" in outcomes[1]
+    assert not store.exists(store.full(LOCK))  # the one that ran took its marker away
+    assert [r.run_id for r in store.runs()] == [RUN]
+
+    store.write_bytes(LOCK, b'{"token": "killed", "since": "2026-12-01T00:00:00+00:00"}')
+    res = CliRunner().invoke(app, ["store", "migrate", "--artifacts", s3_root])
+    assert res.exit_code == 2 and "--break-lock" in res.output and "2026-12-01" in res.output
+    res = CliRunner().invoke(app, ["store", "migrate", "--artifacts", s3_root, "--break-lock"])
+    assert res.exit_code == 0 and "migrated 0 run(s)" in res.output, res.output
