@@ -46,15 +46,17 @@ from flows import notes as notes_mod
 from flows import reference as references
 from flows.inventory import Host, Inventory, host_path, load_host, load_inventory, now, retire, update_host
 from flows.projection import ProjectionError
-from flows.progress import log_line
+from flows.progress import Forward, log_line
 from flows.pull import Pulled, pull, quarantine, record_unfinished
-from flows.scrub import fenced, md, plain, redact
+from flows.scrub import LINE_CAP, fenced, line, md, plain
 from flows.settings import Settings
 from flows.ssh import ProbeResult, Remote, RemoteError, TransferError, probe
 from flows.store import RunInfo, Store
 
 NOTES_LIMIT = "kdbench-notes"
 BUILD_JSON_BYTES = 1 << 20
+ARTIFACT_LINE = 300     # characters of each build-log line quoted in the failure artifact (200 lines: ~60 KB)
+CELL_CAP = 500          # characters of one cell of the host-<h> table artifact
 REACHED = ("measured", "python_lacks_torch")  # routes of a reachable host: never projected
 DONE = ("complete", "partial", "skipped")  # what a suite may report at its end; anything else is ignored
 
@@ -113,10 +115,21 @@ def _run_id() -> str:
     return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{suffix}"
 
 
-def _scrub(host: Host, text: str) -> str:
+def _scrub(host: Host, text: str, cap: int = LINE_CAP) -> str:
     """Host output and SSH errors may quote the host's address, login or key path (a traceback
-    under /home/<user>, an error naming user@address): redact them before logs and artifacts."""
-    return redact(text, Inventory(dir=Path("."), hosts={host.name: host}))
+    under /home/<user>, an error naming user@address), control sequences or pages of text: one
+    capped line, redacted with the host's own values too (flows.scrub.plain), before any sink."""
+    return plain(text, Inventory(dir=Path("."), hosts={host.name: host}), cap)
+
+
+def _logged(host: Host, text: str) -> str:
+    """`_scrub`, then rich markup escaped: what a log record may hold (`prefect ... --watch` renders it)."""
+    return line(_scrub(host, text))
+
+
+def _forward(log: Any) -> Forward:
+    """A command's output lines (scrubbed by the caller) into the run's logs, bounded (flows.progress)."""
+    return Forward(lambda text: log.info("%s", line(text)))
 
 
 def _key(prefix: str, host: str) -> str:
@@ -144,9 +157,9 @@ def probe_host(host: Host, hosts_dir: Path) -> ProbeResult:
     """One probe; raises Unanswered for unreachable/timeout, so that task retries (with backoff) apply."""
     log = get_run_logger()
     res = probe(host, hosts_dir)
-    log.info("probe %s: %s (%s) in %.1f s", host.name, res.outcome, _scrub(host, res.detail), res.elapsed_s)
+    log.info("probe %s: %s (%s) in %.1f s", host.name, res.outcome, _logged(host, res.detail), res.elapsed_s)
     for m in res.mismatches:  # they quote what the host reported
-        log.warning("inventory mismatch on %s: %s", host.name, _scrub(host, m))
+        log.warning("inventory mismatch on %s: %s", host.name, _logged(host, m))
     if res.outcome in ("unreachable", "timeout"):
         raise Unanswered(res)
     return res
@@ -170,7 +183,7 @@ def check_python(remote: Remote, host: Host) -> str | None:
     """Why the host's python cannot run the payload (no torch or triton), or None; before any upload."""
     problem = deploy_mod.python_problem(remote, host)
     if problem:
-        get_run_logger().error("%s: not measured: %s", host.name, _scrub(host, problem))
+        get_run_logger().error("%s: not measured: %s", host.name, _logged(host, problem))
     return _scrub(host, problem) if problem else None
 
 
@@ -180,28 +193,29 @@ def deploy_payload(remote: Remote, host: Host) -> deploy_mod.Deployed:
     with tempfile.TemporaryDirectory(prefix="kdbench-payload-") as tmp:
         payload = deploy_mod.build_payload(Path(tmp))
         log.info("payload %s (%d bytes)", payload.sha256[:12], payload.path.stat().st_size)
+        forward = _forward(log)
         try:
-            return deploy_mod.deploy(remote, host, payload, log, on_line=lambda line: log.info("%s", _scrub(host, line)))
+            return deploy_mod.deploy(remote, host, payload, log, on_line=lambda text: forward(_scrub(host, text)))
         except deploy_mod.DeployError as e:  # it quotes the host's stderr
-            raise deploy_mod.DeployError(_scrub(host, str(e))) from None
+            raise deploy_mod.DeployError(_logged(host, str(e))) from None
+        finally:
+            forward.close()
 
 
 @task(name="build", cache_policy=NONE)
 def build(remote: Remote, host: Host, dep: deploy_mod.Deployed, run_dir: str, timeout_s: float) -> dict[str, Any]:
-    """engine.build for the host's arch; a failure attaches the log and fails the run."""
+    """engine.build for the host's arch; a failure attaches the end of its log and fails the run."""
     log = get_run_logger()
-    lines: list[str] = []
-
-    def on_line(line: str) -> None:
-        line = _scrub(host, line)
-        lines.append(line)
-        log.info("[build] %s", line)
-
+    forward = _forward(log)
     out = f"{run_dir}/build"
-    res = remote.run([dep.python, "-m", "engine.build", "--arch", host.arch, "--out", out],
-                     timeout_s=timeout_s, cwd=dep.payload_dir, on_line=on_line)
+    try:
+        res = remote.run([dep.python, "-m", "engine.build", "--arch", host.arch, "--out", out],
+                         timeout_s=timeout_s, cwd=dep.payload_dir,
+                         on_line=lambda text: forward(f"build: {_scrub(host, text)}"))
+    finally:
+        forward.close()
     if res.rc != 0 or res.timed_out:
-        tail = "\n".join(lines[-200:])
+        tail = "\n".join(plain(text, cap=ARTIFACT_LINE) for text in forward.last)
         create_markdown_artifact(
             key=_key("build-log", host.name),
             markdown=f"# Build failed on {host.name}\n\nexit status {res.rc}"
@@ -219,29 +233,34 @@ def build(remote: Remote, host: Host, dep: deploy_mod.Deployed, run_dir: str, ti
             info = {}
     kernels = info.get("kernels") if isinstance(info, dict) else None
     kernels = kernels if isinstance(kernels, dict) else {}
-    log.info("build on %s: %d kernels, %s", host.name, len(kernels), _scrub(host, plain(", ".join(
-        f"{k} {v.get('status')}" for k, v in sorted(kernels.items()) if isinstance(v, dict)), cap=2000)))
+    log.info("build on %s: %d kernels, %s", host.name, len(kernels), _logged(host, ", ".join(
+        f"{k} {v.get('status')}" for k, v in sorted(kernels.items()) if isinstance(v, dict))))
     return info
 
 
 @task(name="bench", task_run_name="bench-{suite}", cache_policy=NONE)
 def bench_suite(remote: Remote, host: Host, dep: deploy_mod.Deployed, suite: str, profile: str,
                 run_id: str, out_dir: str, timeout_s: float) -> SuiteResult:
-    """Run one suite; its output streams into the logs as the host prints it, one line per point."""
+    """Run one suite; its output streams into the logs as the host prints it, one line per point
+    (the first and last lines of it, when the host prints more than a sweep has points)."""
     log = get_run_logger()
     seen = {"points": 0, "status": None}
+    forward = _forward(log)
 
-    def on_line(line: str) -> None:
-        text, ev = log_line(suite, line)
+    def on_line(text: str) -> None:
+        shown, ev = log_line(suite, text)
         if ev is not None and ev.get("event") == "point":
             seen["points"] += 1
         elif ev is not None and ev.get("event") == "done" and ev.get("status") in DONE:
             seen["status"] = ev["status"]
-        log.info("%s", _scrub(host, text))
+        forward(_scrub(host, shown))
 
     argv = [dep.python, "-m", "engine.bench", "--suite", suite, "--profile", profile, "--host", host.name,
             "--out", out_dir, "--run-id", run_id, "--payload-hash", dep.payload_hash]
-    res = remote.run(argv, timeout_s=timeout_s, cwd=dep.payload_dir, on_line=on_line)
+    try:
+        res = remote.run(argv, timeout_s=timeout_s, cwd=dep.payload_dir, on_line=on_line)
+    finally:
+        forward.close()
     if res.timed_out:
         status = "timeout"
         log.warning("%s on %s timed out after %.0f s: the remote process group was killed; "
@@ -260,7 +279,7 @@ def pull_results(remote: Remote, host: str, run_id: str, out_dir: str, staging: 
     pulled = pull(remote, out_dir, staging, host, run_id)
     log.info("pulled %d file(s): %s", len(pulled.accepted), ", ".join(pulled.accepted) or "none")
     for name, why in pulled.quarantined.items():  # both may quote what the host sent
-        log.error("quarantined %s: %s", _scrub(remote.host, name), _scrub(remote.host, why))
+        log.error("quarantined %s: %s", _logged(remote.host, name), _logged(remote.host, why))
     return pulled
 
 
@@ -275,7 +294,7 @@ def ingest(store: Store, host: str, run_id: str, pulled: Pulled) -> RunInfo | No
         log.error("no acceptable runs.arrow from %s: nothing ingested", host)
         return None
     info = store.ingest(host, run_id, pulled.accepted_dir)
-    log.info("ingested run %s of %s (%s): %s", run_id, host, info.status, ", ".join(info.suites))
+    log.info("ingested run %s of %s (%s): %s", run_id, host, info.status, line(", ".join(info.suites)))
     return info
 
 
@@ -319,7 +338,7 @@ def _route_unmeasurable(s: Settings, host: Host, res: ProbeResult) -> str:
     if res.outcome in ("unauthorized", "host_key_changed"):
         extra = {"presented_host_key_fingerprint": res.presented_fingerprint} if res.presented_fingerprint else {}
         retire(s.hosts_dir, host.name, res.outcome, **extra)
-        log.warning("%s retired (%s): %s", host.name, res.outcome, detail)
+        log.warning("%s retired (%s): %s", host.name, res.outcome, line(detail))
         return f"retired ({res.outcome}): {detail}"
     if res.outcome in ("unreachable", "timeout"):
         n = host.unreachable_runs + 1
@@ -329,19 +348,19 @@ def _route_unmeasurable(s: Settings, host: Host, res: ProbeResult) -> str:
             return f"{res.outcome} for the {n}th run in a row: retired as released"
         update_host(s.hosts_dir, host.name, unreachable_runs=n)
         return f"{res.outcome} ({n} of {s.unreachable_runs} consecutive runs before release): {detail}"
-    log.warning("%s: %s; not measured (enrol the host key with `kdbench hosts trust`)", host.name, detail)
+    log.warning("%s: %s; not measured (enrol the host key with `kdbench hosts trust`)", host.name, line(detail))
     return detail
 
 
 def _headline(store: Store, host: str, run_id: str) -> list[str]:
-    """A few figures for the run's summary artifact."""
+    """A few figures for the run's summary artifacts (its strings come from the host: scrubbed)."""
     tables = store.load(host, run_id)
     out = []
     if "kernels" in tables and tables["kernels"].num_rows:
         rows = tables["kernels"].to_pylist()
         best = max(rows, key=lambda r: r["achieved_gbps"] or 0.0)
         out.append(f"kernels: {len(rows)} points over {len({r['kernel'] for r in rows})} kernels; "
-                   f"best {best['achieved_gbps'] or 0:.1f} GB/s ({best['kernel']}, M={best['M']})")
+                   f"best {best['achieved_gbps'] or 0:.1f} GB/s ({plain(best['kernel'])}, M={best['M']})")
     if "e2e" in tables and tables["e2e"].num_rows:
         rows = tables["e2e"].to_pylist()
         best = max(rows, key=lambda r: r["tokens_per_s"] or 0.0)
@@ -424,8 +443,8 @@ def _publish(report: RunReport, s: Settings) -> None:
         table=[{"host": report.host, "outcome": report.outcome, "route": report.route,
                 "run_id": report.run_id or report.projected_run_id or "",
                 "suites": " ".join(f"{r.suite}:{r.status}" for r in report.suites),
-                "headline": "; ".join(report.headline), "results": report.results or "",
-                "quarantined": " ".join(report.quarantined)}],
+                "headline": line("; ".join(report.headline), cap=CELL_CAP), "results": report.results or "",
+                "quarantined": line(" ".join(report.quarantined), cap=CELL_CAP)}],
         description=f"bench history of {report.host}",
     )
 
@@ -467,7 +486,7 @@ def bench(host: str, suites: list[str] | None = None, profile: str | None = None
                     _measure(s, store, h, suites, profile, bench_timeout_s or s.bench_timeout_s, report)
                 except RemoteError as e:
                     why = _scrub(h, str(e))
-                    log.error("lost %s during the run: %s", host, why)
+                    log.error("lost %s during the run: %s", host, line(why))
                     report.outcome, report.detail = "unmeasured", f"connection lost: {why}"
             else:
                 report = RunReport(host=host, route=res.outcome, outcome="unmeasured",
@@ -477,7 +496,7 @@ def bench(host: str, suites: list[str] | None = None, profile: str | None = None
                 report.projected_run_id = references.project_task(s.artifacts, str(s.hosts_dir), host, reference)
                 report.outcome = "projected"
             except ProjectionError as e:
-                log.error("no projection for %s: %s", host, e)
+                log.error("no projection for %s: %s", host, line(e))
                 report.detail += f"; no projection: {e}"
         if notes:
             report.notes, report.commit = write_notes(store, s, f"bench {host}: {report.outcome}", [host])

@@ -16,6 +16,7 @@ Prefect and the flows are imported inside the commands that need them, so `kdben
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from engine.files import atomic_write_bytes
 from flows.inventory import InventoryError, load_inventory, repo_root
 
 if TYPE_CHECKING:
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 err = Console(stderr=True)
 DEFAULT_HOME = repo_root() / ".scratch" / "prefect-server"
 DEFAULT_PORT = 4200
+PID_FILE = "server.pid"  # JSON: pid, create_time and argv of the server process (server_process checks all three)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -95,16 +98,23 @@ def server_env(home: Path, ui: bool = True) -> dict[str, str]:
 
 
 def start_server(home: Path, port: int, *, ui: bool = True, wait_s: float = 120.0) -> tuple[int, str]:
-    """Start `prefect server start` detached; returns (pid, API URL) once /api/health answers."""
+    """Start `prefect server start` detached; returns (pid, API URL) once /api/health answers.
+
+    The pid file records the process as well as its pid (its start time and command line), so
+    `kdbench server --stop` never signals a process that merely got the same pid later."""
+    import psutil
+
     home.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}/api"
+    argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     with (home / "server.log").open("ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=server_env(home, ui), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, cwd=home,
-        )
-    (home / "server.pid").write_text(f"{proc.pid}\n")
+        proc = subprocess.Popen(argv, env=server_env(home, ui), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, cwd=home)
+    try:
+        born = psutil.Process(proc.pid).create_time()
+    except psutil.NoSuchProcess:
+        born = None  # already gone: the wait below reports why
+    atomic_write_bytes(home / PID_FILE, json.dumps({"pid": proc.pid, "create_time": born, "argv": argv}).encode())
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -137,21 +147,50 @@ def stop_process(pid: int, grace_s: float = 10.0) -> None:
             time.sleep(0.1)
 
 
+def server_process(pid_file: Path) -> int | None:
+    """The pid of the server `start_server` recorded in `pid_file` when that very process still runs
+    (same pid, start time, command line, leading its own process group); None when it has exited.
+    typer.Exit (after one message) when the file names a process that is not that server."""
+    import psutil
+
+    try:
+        rec = json.loads(pid_file.read_text())
+        pid, born, argv = int(rec["pid"]), float(rec["create_time"]), list(rec["argv"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise _fail(f"{pid_file}: not a pid file this kdbench wrote (it records the process, not just a "
+                    "pid); nothing was signalled. Stop the server by hand if one runs, then delete the file") from None
+    try:
+        p = psutil.Process(pid)
+        same = p.create_time() == born and p.cmdline() == argv and os.getpgid(pid) == pid
+    except (psutil.NoSuchProcess, ProcessLookupError):
+        return None
+    except psutil.AccessDenied:
+        same = False
+    if not same:
+        raise _fail(f"{pid_file}: pid {pid} is now another process, not the Prefect server this command started "
+                    "(the server exited and its pid was reused); nothing was signalled. Delete the stale file")
+    return pid
+
+
 def server(
     port: int = typer.Option(DEFAULT_PORT, help="Port on 127.0.0.1."),
     home: Path = typer.Option(DEFAULT_HOME, help="Server state: SQLite DB, log, pid file."),
-    stop: bool = typer.Option(False, "--stop", help="Stop the server this command started (pid file in --home)."),
+    stop: bool = typer.Option(False, "--stop", help="Stop the server this command started (pid file in --home); "
+                                                    "a pid file naming any other process signals nothing."),
     ui: bool = typer.Option(True, "--ui/--no-ui", help="Serve the Prefect UI too."),
 ) -> None:
     """Start a local Prefect server (SQLite) unless one answers already; print its API URL."""
     url = f"http://127.0.0.1:{port}/api"
-    pid_file = home / "server.pid"
+    pid_file = home / PID_FILE
     if stop:
         if not pid_file.is_file():
             raise _fail(f"{pid_file}: no pid file, nothing to stop")
-        stop_process(int(pid_file.read_text().split()[0]))
+        pid = server_process(pid_file)
+        if pid is not None:
+            stop_process(pid)
         pid_file.unlink()
-        print(f"stopped the Prefect server of {home}")
+        print(f"stopped the Prefect server of {home}" if pid is not None
+              else f"the Prefect server of {home} had already exited; removed its pid file")
         return
     if healthy(url):
         print(url)

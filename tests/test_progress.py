@@ -34,8 +34,8 @@ def test_point_lines_name_suite_position_label_time_and_headline() -> None:
 
 
 def test_other_lines_pass_through_and_hostile_events_stay_short() -> None:
-    assert log_line("e2e", "warming up") == ("[e2e] warming up", None)
-    assert log_line("e2e", "KDBENCH {not json")[0] == "[e2e] unreadable progress line (17 characters)"
+    assert log_line("e2e", "warming up") == ("e2e: warming up", None)
+    assert log_line("e2e", "KDBENCH {not json")[0] == "e2e: unreadable progress line (17 characters)"
     assert log_line("e2e", "KDBENCH [1, 2]")[1] is None
     text, _ = log_line("kernels", _ev(event="point", i="x" * 10_000, n=True, kernel="a\nb|\x1b[31m" + "k" * 5000,
                                       impl=["x"], M=float("nan"), time_us_p50="fast", achieved_gbps={"a": 1}))
