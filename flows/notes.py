@@ -14,13 +14,17 @@ and fingerprints, never addresses, user names or key paths: `leaks` checks that 
 Every string that came from a host (GPU name, versions, kernel, impl, config, run ids) is made
 plain and redacted with the inventory when the views are gathered, and escaped with `md` when the
 page views are built, so the templates never escape and one odd host cannot break a table, inject
-markup or block the fleet's notes.
+markup or block the fleet's notes. Nor can its numbers: every division by a stored figure goes through
+`per` (a zero, NaN or missing denominator shows as "-"), and a page that still fails, or comes out over
+MAX_PAGE_BYTES, is replaced by one line saying why (`host_page`); a host whose stored data does not read
+gets a page saying so, and the other pages are written as always.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import math
 import os
 import re
 import subprocess
@@ -33,11 +37,11 @@ import jinja2
 import pyarrow as pa
 
 from engine.config import CONFIGS
-from engine.schema import provenance
+from engine.schema import SchemaError, provenance
 from flows import plots
 from flows.backtest import BacktestRow, goal_gap, stored_backtest
 from flows.families import e2e_key, family, host_side, label, point_key, preferred, regime, tp_of
-from flows.inventory import Host, Inventory, InventoryError, Spec, host_status_text
+from flows.inventory import INDEX_PAGE, Host, Inventory, InventoryError, Spec, host_status_text, is_page_name
 from flows.projection import TERMS, breakdown
 from flows.reference import is_outside
 from flows.scrub import leaks, md, plain, redact
@@ -49,6 +53,7 @@ SUITES = ("kernels", "e2e", "comm")
 SHARD_TP = 8            # the shard an 8-GPU box runs: its MoE table is expected beside the full shapes
 HASH_CHARS = 12         # of a payload hash in the run history
 METHOD_CHARS = 2000     # of a run's own note on how its figures were made (e2e and kernel suites)
+MAX_PAGE_BYTES = 4 << 20  # of one page: at engine.schema.MAX_ROWS rows a table a page stays far below it
 GIT_ENV = {"GIT_AUTHOR_NAME": "kdbench", "GIT_AUTHOR_EMAIL": "kdbench@localhost",
            "GIT_COMMITTER_NAME": "kdbench", "GIT_COMMITTER_EMAIL": "kdbench@localhost"}
 
@@ -179,8 +184,7 @@ def measured_runs(store: Store, name: str) -> list[Run]:
     for i, info in enumerate(store.runs(name)):
         if info.source == "measured":
             runs[info.run_id] = ((1, i), Run(info.run_id, store.load(name, info.run_id)))
-    for ref in store.references():
-        tables = store.reference(ref)
+    for tables in readable_references(store).values():
         row = tables["runs"].to_pylist()[0]
         if row["host"] == name and row["source"] == "measured" and not is_outside(tables):
             runs.setdefault(row["run_id"], ((0, row["started_at"] or ""), Run(row["run_id"], tables)))
@@ -190,10 +194,20 @@ def measured_runs(store: Store, name: str) -> list[Run]:
 def outside_runs(store: Store, name: str) -> list[Run]:
     """Imported outside figures (published or otherwise) of a host, never counted as its measurements."""
     out = []
-    for ref in store.references():
-        tables = store.reference(ref)
+    for ref, tables in readable_references(store).items():
         if is_outside(tables) and tables["runs"].column("host")[0].as_py() == name:
             out.append(Run(ref, tables))
+    return out
+
+
+def readable_references(store: Store) -> dict[str, dict[str, pa.Table]]:
+    """Every committed reference set that reads; one that does not costs only itself (skipped)."""
+    out = {}
+    for name in store.references():
+        try:
+            out[name] = store.reference(name)
+        except (StoreError, SchemaError):
+            continue
     return out
 
 
@@ -218,30 +232,34 @@ def gather(store: Store, inv: Inventory) -> list[HostView]:
     the flows store them); a host with neither says how to get one.
     """
     names = set(inv.hosts) | {r.host for r in store.runs()}
-    for ref_name in store.references():
-        names.add(store.reference(ref_name)["runs"].column("host")[0].as_py())
+    for tables in readable_references(store).values():
+        names.add(tables["runs"].column("host")[0].as_py())
     names = {n for n in names if _page_name(n)}  # a name becomes a file name under docs/notes/
     backtest = stored_backtest(store)
     views = []
     for name in sorted(names):
         host = inv.hosts.get(name)
         spec = inv.specs.get(host.spec) if host else None
-        view = HostView(name, host, spec, measured_runs(store, name), outside=outside_runs(store, name),
-                        backtest=backtest)
-        if not view.measured:
-            view.projection = stored_projection(store, inv, name)
-            if view.projection is None:
-                view.missing = (f"no projection of {name} is stored: `kdbench notes` stores one from the "
-                                "reference" if spec else
-                                f"host {name} is not in the inventory, so it has no spec sheet to project onto")
+        try:
+            view = HostView(name, host, spec, measured_runs(store, name), outside=outside_runs(store, name),
+                            backtest=backtest)
+            if not view.measured:
+                view.projection = stored_projection(store, inv, name)
+                if view.projection is None:
+                    view.missing = (f"no projection of {name} is stored: `kdbench notes` stores one from the "
+                                    "reference" if spec else
+                                    f"host {name} is not in the inventory, so it has no spec sheet to project onto")
+        except (StoreError, SchemaError) as e:  # one host's unreadable data costs its own page only
+            view = HostView(name, host, spec, backtest=backtest, missing=f"its stored data could not be read: {e}")
         views.append(_cleaned(view, inv))
     return views
 
 
 def _page_name(name: object) -> bool:
-    """A host name that can name a page and a plot folder: a store name that is not a path."""
+    """A host name that can name a page and a plot folder: a store name that is not a path, nor the
+    name of a page the index writes (README)."""
     try:
-        return isinstance(name, str) and check_name("host", name) == name
+        return isinstance(name, str) and check_name("host", name) == name and not is_page_name(name)
     except StoreError:
         return False
 
@@ -299,15 +317,15 @@ def moe_degrees(run: Run) -> list[int]:
 
 
 def plateau_m(points: list[dict[str, Any]]) -> int | None:
-    gb = [k["bytes"] / (k["time_us_p50"] * 1e3) for k in points]
-    if not gb:
-        return None
-    return next(k["M"] for k, g in zip(points, gb) if g >= PLATEAU * max(gb))
+    gb = [per(k["bytes"], k["time_us_p50"] * 1e3) for k in points]
+    top = max((g for g in gb if math.isfinite(g)), default=None)
+    return next((k["M"] for k, g in zip(points, gb) if top is not None and g >= PLATEAU * top), None)
 
 
 def best_moe(run: Run) -> dict[str, Any] | None:
-    pts = moe_points(run)
-    return max(pts, key=lambda k: (k["bytes"] / k["time_us_p50"], -k["M"])) if pts else None
+    """The MoE point of the highest bandwidth (None when no point has a usable one)."""
+    pts = [k for k in moe_points(run) if math.isfinite(per(k["bytes"], k["time_us_p50"]))]
+    return max(pts, key=lambda k: (per(k["bytes"], k["time_us_p50"]), -k["M"])) if pts else None
 
 
 HEADLINE_CONCURRENCY = (1, 16)
@@ -355,8 +373,8 @@ def model_headline(run: Run, projected: bool) -> str:
         return f"full model: {why}" if why else ""
     parts = []
     for c, e in sorted(rows.items()):
-        band = f" ({e['tokens_per_s_low']:,.0f}-{e['tokens_per_s_high']:,.0f})" if projected else ""
-        parts.append(f"{e['tokens_per_s']:,.0f} tok/s{band} at C={c} (B={e['budget']}, accept "
+        band = f" ({fmt(e['tokens_per_s_low'], 0)}-{fmt(e['tokens_per_s_high'], 0)})" if projected else ""
+        parts.append(f"{fmt(e['tokens_per_s'], 0)} tok/s{band} at C={c} (B={e['budget']}, accept "
                      f"{fmt(e['accept_len_mean'], 2)})")
     e = next(iter(rows.values()))
     return f"full model {e['layers']} layers TP-{tp_of(e)}: " + ", ".join(parts)
@@ -369,20 +387,34 @@ def outside_headline(view: HostView) -> str:
         prov = provenance(run.tables["runs"])
         for e in sorted(run.rows("e2e"), key=lambda e: e["concurrency"]):
             if e["tokens_per_s"]:
-                parts.append(f"{e['tokens_per_s']:,.1f} tok/s at C={e['concurrency']}")
+                parts.append(f"{fmt(e['tokens_per_s'])} tok/s at C={e['concurrency']}")
         if parts:
             return f"{md(prov.get('origin'))} ({md(prov.get('impl', '-'))}, TP-{tp_of(run.rows('e2e')[0])}): " + \
                 ", ".join(parts)
     return ""
 
 
+def per(num: float | None, den: float | None) -> float:
+    """num / den, or NaN where a stored figure makes it meaningless (a zero, negative, missing or
+    non-finite denominator, a missing numerator): no page divides by a host's number unguarded, and
+    NaN shows as "-" (fmt, sig, share) and is skipped by the plots."""
+    if num is None or den is None or not math.isfinite(den) or den <= 0:
+        return math.nan
+    return num / den
+
+
 def fmt(x: float | None, digits: int = 1) -> str:
-    return "-" if x is None else f"{x:,.{digits}f}"
+    return "-" if x is None or not math.isfinite(x) else f"{x:,.{digits}f}"
 
 
 def sig(x: float | None) -> str:
     """Four significant digits: ceilings span CPU sandboxes (GB/s) to B300s (TB/s)."""
-    return "-" if x is None else f"{x:.4g}"
+    return "-" if x is None or not math.isfinite(x) else f"{x:.4g}"
+
+
+def share(x: float | None, spec: str = ".0%") -> str:
+    """A fraction as a percentage (`spec`), "-" where it could not be computed."""
+    return "-" if x is None or not math.isfinite(x) else format(x, spec)
 
 
 def bandwidth(gbps: float, *more: float) -> str:
@@ -400,18 +432,28 @@ def headline(view: HostView) -> str:
     parts = [model_headline(e2e.run, view.kind == "projected") if e2e else ""]
     moe = best_moe(kern.run) if kern else None
     if moe:
-        gbps = moe["bytes"] / (moe["time_us_p50"] * 1e3)
+        gbps = per(moe["bytes"], moe["time_us_p50"] * 1e3)
         copy, _ = ceilings_of(kern.run, view.spec)
         if view.kind == "measured":
-            parts.append(f"MoE W4A16 decode {bandwidth(gbps)} at M={moe['M']} = {gbps / copy:.0%} of copy bandwidth")
+            parts.append(f"MoE W4A16 decode {bandwidth(gbps)} at M={moe['M']} = {share(per(gbps, copy))} of copy "
+                         "bandwidth")
         else:
-            lo = moe["bytes"] / (moe["time_us_high"] * 1e3)
-            hi = moe["bytes"] / (moe["time_us_low"] * 1e3)
-            parts.append(f"MoE W4A16 decode {bandwidth(gbps, lo, hi)} at M={moe['M']}")
+            band = [per(moe["bytes"], t * 1e3) if t is not None else math.nan
+                    for t in (moe["time_us_high"], moe["time_us_low"])]
+            parts.append(f"MoE W4A16 decode {bandwidth(gbps, *band) if all(map(math.isfinite, band)) else bandwidth(gbps)}"
+                         f" at M={moe['M']}")
     outside = outside_headline(view)
     if outside:
         parts.append(outside)
     return "; ".join(p for p in parts if p) or "no kernel or e2e points"
+
+
+def guarded_headline(view: HostView) -> str:
+    """`headline`, or why there is none: one host's data never stops the index or the commit message."""
+    try:
+        return headline(view)
+    except Exception as e:  # the per-page isolation boundary (see render_notes)
+        return f"not rendered ({type(e).__name__})"
 
 
 def summary_lines(store: Store, inv: Inventory) -> list[str]:
@@ -423,9 +465,9 @@ def _summary(views: Sequence[HostView]) -> list[str]:
     out = []
     for v in views:
         if v.kind == "measured":
-            out.append(f"Measured {v.name}: {headline(v)}")
+            out.append(f"Measured {v.name}: {guarded_headline(v)}")
         elif v.kind == "projected":
-            out.append(f"Projected {v.name} from {v.projection.ref_host}: {headline(v)}")
+            out.append(f"Projected {v.name} from {v.projection.ref_host}: {guarded_headline(v)}")
     return out
 
 
@@ -635,9 +677,9 @@ def moe_table(view: HostView, run: Run, pts: list[dict[str, Any]], tp: int) -> M
     rows = []
     for k in pts:
         t = k["time_us_p50"]
-        gb = k["bytes"] / (t * 1e3)
-        row = [str(k["M"]), md(k["impl"]), fmt(t), fmt(t / k["M"], 2), fmt(k["bytes"] / 1e6), sig(gb),
-               fmt(100 * gb / copy if copy else None), fmt(100 * gb / spec_bw if spec_bw else None),
+        gb = per(k["bytes"], t * 1e3)
+        row = [str(k["M"]), md(k["impl"]), fmt(t), fmt(per(t, k["M"]), 2), fmt(k["bytes"] / 1e6), sig(gb),
+               fmt(per(100 * gb, copy)), fmt(per(100 * gb, spec_bw)),
                f"{k['unique_experts'] if k['unique_experts'] is not None else '-'} ({fmt(k['expected_experts'])})"]
         if projected:
             row[2:3] = [fmt(t), f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}",
@@ -676,11 +718,11 @@ def moe_view(view: HostView, out_dir: Path, rel: str) -> MoeView:
         pts = moe_points(run, tp)
         tables.append(moe_table(view, run, pts, tp))
         ms = [k["M"] for k in pts]
-        per_token.append((f"{_shape_label(tp)} ({impls_of(pts)})", ms, [k["time_us_p50"] / k["M"] for k in pts],
-                          ([k["time_us_low"] / k["M"] for k in pts], [k["time_us_high"] / k["M"] for k in pts])
+        per_token.append((f"{_shape_label(tp)} ({impls_of(pts)})", ms, [per(k["time_us_p50"], k["M"]) for k in pts],
+                          ([per(k["time_us_low"], k["M"]) for k in pts], [per(k["time_us_high"], k["M"]) for k in pts])
                           if projected else None))
         pct += [(f"{_shape_label(tp)}, % of {label} BW ({sig(bw)} GB/s)", ms,
-                 [100 * k["bytes"] / (k["time_us_p50"] * 1e3) / bw for k in pts], None)
+                 [per(100 * per(k["bytes"], k["time_us_p50"] * 1e3), bw) for k in pts], None)
                 for label, bw in (("copy", copy), ("spec", spec_bw)) if bw]
     name = f"{view.name}: MoE W4A16"
     plots.lines(out_dir / "moe_us_per_token.png", per_token, f"{name}: time per token", "M (tokens)",
@@ -712,7 +754,7 @@ def kernels_view(view: HostView, out_dir: Path, rel: str) -> KernelsView | None:
         row = [md(k["kernel"]), md(k["impl"]), fmt(k["batch"], 0) if k["batch"] is not None else "-",
                str(k["budget"]) if k["budget"] is not None else "-",
                str(k["context"]) if k["context"] is not None else "-", fmt(t),
-               sig(k["bytes"] / (t * 1e3)), sig(k["flops"] / (t * 1e6)), md(k["regime"] or regime(k, copy, mm))]
+               sig(per(k["bytes"], t * 1e3)), sig(per(k["flops"], t * 1e6)), md(k["regime"] or regime(k, copy, mm))]
         if projected:
             row += [f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}", md(k["reference_regime"] or "-")]
         rows.append(row)
@@ -720,8 +762,8 @@ def kernels_view(view: HostView, out_dir: Path, rel: str) -> KernelsView | None:
     for k in run.rows("kernels"):
         if not host_side(k) and k["bytes"] > 0:  # a shard shape is its own series: full and shard never mix
             xs, ys = fams.setdefault(label(k) + (f" TP-{tp_of(k)} shard" if tp_of(k) > 1 else ""), ([], []))
-            xs.append(k["flops"] / k["bytes"])
-            ys.append(k["flops"] / (k["time_us_p50"] * 1e6))
+            xs.append(per(k["flops"], k["bytes"]))
+            ys.append(per(k["flops"], k["time_us_p50"] * 1e6))
     roofs = [(view.name, copy, mm)] if copy and mm else []
     if projected and view.projection.ref:
         p = view.projection
@@ -809,7 +851,7 @@ def e2e_view(view: HostView, out_dir: Path, rel: str) -> E2EView | None:
             b = breakdown(row)
             step = sum(b.values())
             name = point_label(e) + (f" {side}" if projected else "")
-            split.append([name] + [f"{fmt(b[t], 2)} ({100 * b[t] / step:.0f}%)" for t in TERMS] + [fmt(step, 2)])
+            split.append([name] + [f"{fmt(b[t], 2)} ({share(per(b[t], step))})" for t in TERMS] + [fmt(step, 2)])
             if e["concurrency"] in ends:  # the plot keeps the extremes readable; the table has every point
                 bars.append((name, b))
     plots.amdahl(out_dir / "amdahl.png", bars,
@@ -818,7 +860,7 @@ def e2e_view(view: HostView, out_dir: Path, rel: str) -> E2EView | None:
     busy = [e for e in rows if e.get("kernel_ms") is not None and e.get("outside_ms") is not None]
     busy_table = Table.of(["point", "kernels ms", "outside ms", "outside share"],
                           [[point_label(e), fmt(e["kernel_ms"], 2), fmt(e["outside_ms"], 2),
-                            f"{100 * e['outside_ms'] / (e['kernel_ms'] + e['outside_ms']):.0f}%"] for e in busy]) \
+                            share(per(e["outside_ms"], e["kernel_ms"] + e["outside_ms"]))] for e in busy]) \
         if busy else None
     largest = ""
     if projected:
@@ -826,7 +868,7 @@ def e2e_view(view: HostView, out_dir: Path, rel: str) -> E2EView | None:
         b = breakdown(last)
         top = max(TERMS, key=lambda t: (b[t], t))
         largest = (f"At concurrency {last['concurrency']} the largest term on {view.name} is "
-                   f"{top.removesuffix('_ms')} ({100 * b[top] / sum(b.values()):.0f}% of the step).")
+                   f"{top.removesuffix('_ms')} ({share(per(b[top], sum(b.values())))} of the step).")
     return E2EView(source_line(src), suite_method(run, "e2e", projected), projected, ", ".join(f"{x:g}" for x in level) or "-", Table.of(head, table),
                    accept_view(view, run, out_dir, rel),
                    Table.of(["point"] + [t.removesuffix("_ms") for t in TERMS] + ["step ms"], split),
@@ -873,7 +915,7 @@ def comparison(view: HostView) -> Comparison:
         o = old.get(point_key(k))
         if not o:
             continue
-        change = k["time_us_p50"] / o["time_us_p50"] - 1
+        change = per(k["time_us_p50"], o["time_us_p50"]) - 1
         noise = max(NOISE, spread(k), spread(o))
         flag = "REGRESSION" if change > noise else "faster" if change < -noise else ""
         flagged += flag == "REGRESSION"
@@ -881,18 +923,18 @@ def comparison(view: HostView) -> Comparison:
             shape = " ".join(f"{a}={k[a]}" for a in ("M", "batch", "budget", "context") if k[a] is not None)
             shape += f" tp={tp_of(k)}" if tp_of(k) > 1 else ""
             rows.append([md(label(k)), shape, fmt(o["time_us_p50"]), fmt(k["time_us_p50"]),
-                         f"{change:+.1%}", f"{noise:.1%}", flag])
+                         share(change, "+.1%"), share(noise, ".1%"), flag])
     olde = {e2e_key(e): e for e in prev.rows("e2e")}
     point_label = point_labels(cur.rows("e2e"))
     for e in cur.rows("e2e"):
         o = olde.get(e2e_key(e))
         if o and o["tokens_per_s"] and e["tokens_per_s"]:
-            change = e["tokens_per_s"] / o["tokens_per_s"] - 1
+            change = per(e["tokens_per_s"], o["tokens_per_s"]) - 1
             flag = "REGRESSION" if change < -NOISE else "faster" if change > NOISE else ""
             flagged += flag == "REGRESSION"
             if flag:
                 rows.append(["e2e tokens/s", point_label(e), fmt(o["tokens_per_s"], 0),
-                             fmt(e["tokens_per_s"], 0), f"{change:+.1%}", f"{NOISE:.1%}", flag])
+                             fmt(e["tokens_per_s"], 0), share(change, "+.1%"), f"{NOISE:.1%}", flag])
     sentence = (f"Run {md(cur.run_id)} against {md(prev.run_id)} (both {md(profile)} profile): {flagged} "
                 f"regression(s) beyond the noise (the larger of {NOISE:.0%} and the points' p10-p90 spread).")
     return Comparison(False, sentence, Table.of(["point", "shape", "before", "now", "change", "noise", ""], rows)
@@ -902,7 +944,8 @@ def comparison(view: HostView) -> Comparison:
 def spread(k: dict[str, Any]) -> float:
     if k.get("time_us_p10") is None or k.get("time_us_p90") is None:
         return 0.0
-    return (k["time_us_p90"] - k["time_us_p10"]) / k["time_us_p50"]
+    s = per(k["time_us_p90"] - k["time_us_p10"], k["time_us_p50"])
+    return s if math.isfinite(s) else 0.0
 
 
 def assumption_text(a: dict[str, Any]) -> str:
@@ -1007,7 +1050,7 @@ def outside_entries(view: HostView) -> tuple[OutsideEntry, ...]:
                       for e in sorted(e2e, key=lambda e: e["concurrency"])]) if e2e else None,
             Table.of(["kernel", "impl", "M", "us", "us/token", "GB/s"],
                      [[md(k["kernel"]), md(k["impl"]), str(k["M"] or "-"), fmt(k["time_us_p50"]),
-                       fmt(k["time_us_p50"] / k["M"], 2) if k["M"] else "-", sig(k["bytes"] / (k["time_us_p50"] * 1e3))]
+                       fmt(per(k["time_us_p50"], k["M"]), 2), sig(per(k["bytes"], k["time_us_p50"] * 1e3))]
                       for k in sorted(kern, key=point_key_sort)]) if kern else None,
             tuple(md(n, cap=400) for n in notes[:20]) if isinstance(notes, list) else ()))
     return tuple(out)
@@ -1054,7 +1097,7 @@ def index_view(views: Sequence[HostView]) -> IndexView:
             retired = f"{v.host.retired_reason or '-'}, {when}"
         status = v.host.status if v.host else "not in inventory"
         rows.append([f"[{v.name}]({v.name}.md)", gpu, v.host.interconnect if v.host else "-", status, retired,
-                     v.kind, f"{md(run.run_id)} ({started})" if run else "-", headline(v)])
+                     v.kind, f"{md(run.run_id)} ({started})" if run else "-", guarded_headline(v)])
     backtest = views[0].backtest if views else []
     details = sorted({(r.kind, r.detail) for r in backtest if not r.skipped})
     return IndexView(Table.of(["host", "GPUs", "interconnect", "status", "retired (reason, date)", "data", "last run",
@@ -1096,6 +1139,26 @@ def _inside(path: Path, root: Path) -> Path:
     return path
 
 
+def _failed_page(view: HostView, why: str, inv: Inventory) -> str:
+    return (f"# {view.name}: not rendered\n\nThis page {md(why, inv, cap=1000)}. The other pages are not affected; "
+            "`kdbench store reindex` reports stored runs whose files do not validate.\n")
+
+
+def host_page(view: HostView, notes_dir: Path, inv: Inventory) -> str:
+    """The host's page, or a short one saying why it could not be written: whatever one host's stored
+    data does to its page (a value no guard foresaw, a page over MAX_PAGE_BYTES, a leak the check
+    caught), it costs that page, never the fleet's notes."""
+    try:
+        text = render_host(view, notes_dir)
+    except Exception as e:  # the isolation boundary: the failure is named on the page instead
+        return _failed_page(view, f"could not be rendered ({type(e).__name__}: {e})", inv)
+    size = len(text.encode())
+    if size > MAX_PAGE_BYTES:
+        return _failed_page(view, f"was {size} bytes, over the {MAX_PAGE_BYTES}-byte bound, so it is not written", inv)
+    bad = leaks(text, inv)
+    return _failed_page(view, f"would reveal {', '.join(bad)}, so it is not written", inv) if bad else text
+
+
 def render_notes(store: Store, inv: Inventory, docs_dir: Path) -> list[Path]:
     """Write every host page, its plots and the fleet index under docs_dir/notes/; returns the files."""
     views = gather(store, inv)
@@ -1103,8 +1166,8 @@ def render_notes(store: Store, inv: Inventory, docs_dir: Path) -> list[Path]:
     notes_dir.mkdir(parents=True, exist_ok=True)
     for v in views:
         _inside(notes_dir / v.name, notes_dir), _inside(notes_dir / f"{v.name}.md", notes_dir)
-    pages = {notes_dir / f"{v.name}.md": render_host(v, notes_dir) for v in views}
-    pages[notes_dir / "README.md"] = render_index(views)
+    pages = {notes_dir / f"{v.name}.md": host_page(v, notes_dir, inv) for v in views}
+    pages[notes_dir / f"{INDEX_PAGE}.md"] = render_index(views)
     for path, text in pages.items():
         bad = leaks(text, inv)
         if bad:

@@ -9,8 +9,9 @@ parsed as mathtext (and may fail to parse). Tick labels keep their mathtext expo
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -44,6 +45,10 @@ def _figure() -> Figure:
 Band = tuple[Sequence[float], Sequence[float]] | None          # y low, y high
 
 
+def _positive(values: Iterable[float]) -> bool:
+    return any(math.isfinite(v) and v > 0 for v in values)
+
+
 def lines(path: Path, series: Sequence[tuple[str, Sequence[float], Sequence[float], Band]],
           title: str, xlabel: str, ylabel: str, logx: bool = True, logy: bool = False) -> Path:
     """One line per series on a log-M axis, with a shaded band where the series has one."""
@@ -55,9 +60,10 @@ def lines(path: Path, series: Sequence[tuple[str, Sequence[float], Sequence[floa
             if band:
                 ax.fill_between(x, band[0], band[1], color=line.get_color(), alpha=0.2, lw=0)
         ax.set(title=_literal(title), xlabel=_literal(xlabel), ylabel=_literal(ylabel))
-        if logx:
+        # a log axis needs a positive value to show (a store may hold none: all of it is drawn as NaN)
+        if logx and _positive(v for _, x, _, _ in series for v in x):
             ax.set_xscale("log", base=2)
-        if logy:
+        if logy and _positive(v for _, _, y, _ in series for v in y):
             ax.set_yscale("log")
         if series:
             ax.legend(loc="best")

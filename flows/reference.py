@@ -15,10 +15,10 @@ from typing import Sequence
 from prefect import task
 from prefect.cache_policies import NONE
 
-from engine.schema import provenance
+from engine.schema import SchemaError, check_values, provenance
 from flows.inventory import Inventory, load_inventory
 from flows.projection import Machine, ProjectionError, Tables, project
-from flows.store import Store
+from flows.store import Store, StoreError
 
 OUTSIDE_ORIGINS = ("published", "outside")   # provenance `origin` of imported figures
 
@@ -59,7 +59,16 @@ def machine_of(inv: Inventory, name: str, spec: str | None = None, gpus: int | N
 
 
 def as_dataset(name: str, tables: Tables, inv: Inventory) -> Dataset:
-    """Tables of one run with the machine they ran on (an import names its spec in its provenance)."""
+    """Tables of one run with the machine they ran on (an import names its spec in its provenance).
+
+    Only tables whose every value is one a run can write (engine.schema.check_values) make a dataset:
+    a store written before values were checked at the door may hold a zero or NaN time, which no
+    projection or backtest carries from (ProjectionError says which)."""
+    for t, table in tables.items():
+        try:
+            check_values(table, f"{t}.arrow")
+        except SchemaError as e:
+            raise ProjectionError(f"reference {name!r}: {e}") from None
     row = tables["runs"].to_pylist()[0]
     prov = provenance(tables["runs"])
     try:
@@ -86,11 +95,15 @@ def load_reference(store: Store, inv: Inventory, name: str) -> Dataset:
 def measured_datasets(store: Store, inv: Inventory, outside: bool = False) -> list[Dataset]:
     """The newest complete measured data of every host: its latest store run, else a committed reference.
 
-    Imported outside figures count only with `outside`, each under its own name.
+    Imported outside figures count only with `outside`, each under its own name. Data that does not
+    read, or holds values no run can write, is skipped: it costs its own host's figures only.
     """
     by_host: dict[str, Dataset] = {}
     for name in store.references():
-        data = as_dataset(name, store.reference(name), inv)
+        try:
+            data = as_dataset(name, store.reference(name), inv)
+        except (ProjectionError, StoreError, SchemaError):
+            continue
         if is_outside(data.tables):
             if outside:
                 by_host[name] = data
@@ -100,7 +113,7 @@ def measured_datasets(store: Store, inv: Inventory, outside: bool = False) -> li
         if info.source == "measured" and info.status == "complete":
             try:
                 by_host[info.host] = as_dataset(info.host, store.load(info.host, info.run_id), inv)
-            except ProjectionError:
+            except (ProjectionError, StoreError, SchemaError):
                 continue
     return [by_host[h] for h in sorted(by_host)]
 
