@@ -67,7 +67,7 @@ def notes(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir
         raise _fail(str(e)) from None
     for v in views:
         why = failed.get(v.name) or v.missing
-        out.print(f"{v.name}: {v.kind}" + (f" ({why})" if why and v.kind != "measured" else ""), highlight=False)
+        out.print(f"{v.name}: {v.kind}" + (f" ({escape(why)})" if why and v.kind != "measured" else ""), highlight=False)
     out.print(f"{len(paths)} file(s) under {docs.name}/notes/"
               + (f"; committed {sha[:10]}" if sha else "; nothing to commit" if commit else ""), highlight=False)
 
@@ -107,7 +107,7 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
         table.add_row(*cells)
     out.print(table)
     for line in skipped:
-        out.print(f"skipped: {line}", highlight=False, soft_wrap=True)
+        out.print(f"skipped: {escape(line)}", highlight=False, soft_wrap=True)
 
 
 def import_cmd(file: Path = typer.Argument(..., help="CSV or JSON of kernel points or serving results."),
