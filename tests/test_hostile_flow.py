@@ -137,8 +137,9 @@ def test_hostile_output_reaches_prefect_bounded_and_escaped(sandbox_factory, pre
     run = [line.split() for line in res.stdout.splitlines() if line.startswith("FLOW_RUN ")]
     assert res.returncode == 0 and run and run[-1][2] == "COMPLETED", res.stderr[-3000:]
     logs = _logs(prefect_server, run[-1][1], "build: line")
-    suite = [m for m in logs if m.startswith("kernels: ")]
-    built = [m for m in logs if m.startswith("build: ")]
+    # the commands' own lines, prefixed "kernels: " / "build: " (main wrote "[kernels] " / "[build] ")
+    suite = [m for m in logs if m.lstrip("\\[").startswith(("kernels:", "kernels]"))]
+    built = [m for m in logs if m.lstrip("\\[").startswith(("build:", "build]"))]
     for lines in (suite, built):  # per command: the first lines, one line saying how many were dropped, the last
         assert len(lines) == HEAD_LINES + TAIL_LINES, len(lines)
     dropped = [m for m in logs if "lines of output dropped here" in m]
