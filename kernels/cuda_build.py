@@ -30,6 +30,14 @@ NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17")
 NVCC_TIMEOUT_S = 600
 DEFAULT_NVCC = Path("/usr/local/cuda/bin/nvcc")
 _MAX_DYNAMIC_SMEM = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+# cuda.h's CUdevice_attribute values read by device_attribute
+MAX_REGISTERS_PER_BLOCK = 12
+MAX_REGISTERS_PER_MULTIPROCESSOR = 82
+MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+# cuda.h's CUfunction_attribute values read by Kernel.attribute
+FUNC_MAX_THREADS_PER_BLOCK = 0
+FUNC_SHARED_SIZE_BYTES = 1
+FUNC_NUM_REGS = 4
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
 
@@ -126,11 +134,27 @@ def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
 
 
+def device_attribute(index: int, attribute: int) -> int:
+    """cuDeviceGetAttribute of CUDA device `index` (the ordinal torch uses): the driver's own limits."""
+    lib = _driver()
+    dev, value = ctypes.c_int(), ctypes.c_int()
+    _check(lib, lib.cuDeviceGet(ctypes.byref(dev), index), f"cuDeviceGet({index})")
+    _check(lib, lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, dev), f"cuDeviceGetAttribute({attribute})")
+    return value.value
+
+
 class Kernel:
     """One __global__ function of a loaded module; call with (grid, block, smem, args)."""
 
     def __init__(self, lib: ctypes.CDLL, fn: ctypes.c_void_p, name: str) -> None:
         self.lib, self.fn, self.name, self._smem = lib, fn, name, 0
+
+    def attribute(self, attribute: int) -> int:
+        """cuFuncGetAttribute: what the compiled function needs (registers, static shared memory) on this device."""
+        value = ctypes.c_int()
+        _check(self.lib, self.lib.cuFuncGetAttribute(ctypes.byref(value), attribute, self.fn),
+               f"{self.name}: cuFuncGetAttribute({attribute})")
+        return value.value
 
     def __call__(self, grid: Sequence[int], block: int, smem: int, args: Sequence[object], pdl: bool = False) -> None:
         """Launch on torch's current stream; `pdl`: as a programmatic dependent launch (sm_90 on: the

@@ -11,12 +11,16 @@ and later the five launches are programmatic dependent launches (moe_w4a16.cu's 
 wait), so each kernel's CTAs start while the one before drains.
 
 `unavailable_reason(device)` says why this host cannot run it (no nvcc, the cubin does not build),
-None when it can; `supports` says whether the inputs' M bucket is one it serves. ops runs the Triton
-kernel otherwise, and engine.build records which one runs.
+None when it can. The configs come from kernels/moe_configs.py's table for the device's arch, each
+checked against the device's limits (`device_limits`: the driver's shared-memory opt-in and
+registers; `kernel_resources`: the loaded kernel's own); `supports` says whether the inputs' M
+bucket runs here. ops runs the Triton kernel otherwise, and engine.build records, per bucket, which
+one runs and why.
 """
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 import torch
@@ -24,83 +28,59 @@ import triton
 from torch import Tensor
 
 from kernels import cuda_build
+from kernels.moe_configs import (Bucket, Choice, DeviceLimits, KernelResources, PassConfig, bucket_of, choose, misfit,
+                                 table_for)
 from kernels.moe_gemm import shape_class
 
 SOURCE = "moe_w4a16.cu"
-STEP = 256  # K per pipeline step (the kernel's STEP)
-AROW = 512 + 64  # bytes per token row of a stage's activations (the kernel's AROW)
-XREC = 32  # bytes of one token's group sums a step (the kernel's XREC)
 MAX_EXPERTS = 1024  # moe_align's one-CTA table
-
-# (NT, WARPS, R, STAGES, H, TA, SC, SPAN, KS): 8 * NT slots per block, WARPS warps of R strips of
-# 16 rows (a tile), a STAGES-deep cp.async ring of H K steps a stage holding the activations of TA
-# tokens (8 * NT, or fewer at decode sizes: M <= TA), SC 1 for weights scaled before the MMA (0:
-# the sums scaled after it, moe_w4a16.cu's top says when which), SPAN tiles one after the other per
-# CTA, KS of K per CTA (K / KS splits). The first seven name a kernel that moe_w4a16.cu
-# instantiates (KERNELS, below).
-CudaConfig = tuple[int, int, int, int, int, int, int, int, int]
-
-# By shape class, then the largest M of the bucket (M above the last bucket takes the last); None
-# would mean the Triton kernel is as fast or faster there. Picked from whole-MoE timings of
-# candidate configs on an H200 (NOTES.md v10; v11 re-picked three down passes, v12 the SC ones, v13
-# the full shapes' M = 2..16 under the reading L2 flush): 4-warp tiles with 256-byte row reads (H = 2)
-# and one 8-slot block an expert up to M = 64, full shapes at M <= 4 (and the TP-8 down pass at M =
-# 1) with stages holding only M tokens' activations (TA = 1, 2, 4: more CTAs' weights in flight), TP-8 shards
-# with K split over CTAs at M <= 2 and the down pass (K = 256, one step) walking 2-14 tiles a CTA so
-# the ring stays full; warps of 2 strips from M = 128, then 16- and 32-slot blocks (NT = 2, 4) at
-# M = 512 and 1024 with 2-4 strips a warp, so each activation fragment read from shared memory
-# serves 32-64 rows. Weights scaled before the MMA (SC = 1) where that timed faster: every 32-slot
-# pass, the TP-8 16-slot ones and the TP-8 down pass from M = 17 (15-19 % at M = 700..1500).
-CUDA_CONFIGS: dict[str, dict[int, dict[str, CudaConfig] | None]] = {
-    "full": {1: {"gate_up": (1, 4, 1, 2, 2, 1, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 1, 0, 2, 2048)},
-             2: {"gate_up": (1, 4, 1, 2, 2, 2, 0, 2, 7168), "down": (1, 4, 1, 2, 2, 2, 0, 2, 2048)},
-             4: {"gate_up": (1, 4, 1, 2, 2, 4, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 8, 0, 2, 2048)},
-             32: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 8, 0, 2, 2048)},
-             64: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 4, 1, 8, 0, 1, 2048)},
-             256: {"gate_up": (1, 4, 2, 3, 1, 8, 0, 1, 7168), "down": (1, 4, 2, 3, 1, 8, 0, 2, 2048)},
-             512: {"gate_up": (2, 4, 4, 2, 1, 16, 0, 1, 7168), "down": (2, 4, 4, 2, 1, 16, 0, 1, 2048)},
-             1024: {"gate_up": (4, 4, 4, 2, 1, 32, 1, 1, 7168), "down": (4, 4, 4, 2, 1, 32, 1, 2, 2048)}},
-    "shard": {1: {"gate_up": (1, 4, 1, 4, 1, 8, 0, 1, 1792), "down": (1, 4, 1, 4, 1, 1, 0, 2, 256)},
-              2: {"gate_up": (1, 4, 1, 4, 1, 8, 0, 1, 1792), "down": (1, 4, 1, 4, 1, 8, 0, 4, 256)},
-              4: {"gate_up": (1, 4, 1, 3, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 4, 1, 8, 0, 8, 256)},
-              8: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 4, 1, 8, 0, 14, 256)},
-              16: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 3584), "down": (1, 4, 2, 3, 1, 8, 0, 8, 256)},
-              256: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 2, 2, 1, 8, 1, 8, 256)},
-              512: {"gate_up": (2, 4, 2, 2, 1, 16, 1, 1, 7168), "down": (2, 4, 2, 2, 1, 16, 1, 8, 256)},
-              1024: {"gate_up": (4, 4, 4, 2, 1, 32, 1, 1, 7168), "down": (4, 4, 2, 2, 1, 32, 1, 8, 256)}},
-}
-# The kernels moe_w4a16.cu instantiates: exactly those the table picks (a test reads the source).
-KERNELS = {cfg[:7] for table in CUDA_CONFIGS.values() for bucket in table.values() if bucket for cfg in bucket.values()}
+# Lowers the shared memory a block may use below the driver's opt-in (bytes): runs a smaller
+# device's configs here, e.g. sm_120's 101,376 on an H200. It can only lower the limit.
+SMEM_LIMIT_ENV = "KDBENCH_CUDA_SMEM_LIMIT"
 
 
-def cuda_config(m: int, inter: int) -> dict[str, CudaConfig] | None:
-    """The config of the smallest M bucket that holds m, for experts of intermediate `inter`; None
-    where the Triton kernel runs."""
-    table = CUDA_CONFIGS[shape_class(inter)]
-    return table[min((b for b in table if b >= m), default=max(table))]
+@cache
+def device_limits(index: int) -> DeviceLimits:
+    """The driver's limits of CUDA device `index`, the shared memory lowered by $KDBENCH_CUDA_SMEM_LIMIT."""
+    optin = cuda_build.device_attribute(index, cuda_build.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+    smem, lowered = optin, None
+    cap = os.environ.get(SMEM_LIMIT_ENV, "").strip()
+    if cap:
+        if not cap.isdigit():
+            raise ValueError(f"${SMEM_LIMIT_ENV} must be a number of bytes, got {cap[:40]!r}")
+        if int(cap) < optin:
+            smem, lowered = int(cap), optin
+    return DeviceLimits(cuda_build.arch_of(torch.device("cuda", index)), smem,
+                        cuda_build.device_attribute(index, cuda_build.MAX_REGISTERS_PER_BLOCK),
+                        cuda_build.device_attribute(index, cuda_build.MAX_REGISTERS_PER_MULTIPROCESSOR), lowered)
 
 
-def kernel_name(cfg: CudaConfig) -> str:
-    nt, warps, r, stages, h, ta, sc = cfg[:7]
-    return f"moe_w4a16_nt{nt}_w{warps}_r{r}_s{stages}_h{h}_a{ta}_sc{sc}"
+def kernel_resources(index: int, name: str) -> KernelResources:
+    """Registers, static shared memory and the thread limit of kernel `name` as loaded on device `index`."""
+    k = _module(torch.device("cuda", index)).kernel(name)
+    return KernelResources(k.attribute(cuda_build.FUNC_NUM_REGS), k.attribute(cuda_build.FUNC_SHARED_SIZE_BYTES),
+                           k.attribute(cuda_build.FUNC_MAX_THREADS_PER_BLOCK))
 
 
-def smem_bytes(cfg: CudaConfig, k: int) -> int:
-    """Dynamic shared memory of a config on K = k: (weights + scales + activations + group sums) of
-    one K step, times the ring stages a CTA's steps can fill (one tile of one step needs one: more
-    CTAs fit an SM)."""
-    nt, warps, r, stages, h, ta, sc, span, ks = cfg
-    strips = warps * r
-    sub = strips * 16 * 8 * 16 + strips * 16 * 16 + ta * (AROW + XREC)
-    return min(stages, span * (min(ks, k) // (STEP * h))) * h * sub
+@cache
+def bucket_choice(index: int, inter: int, hidden: int, bucket: int) -> Choice:
+    """What M bucket `bucket` runs on device `index` for experts [2 inter, hidden] / [hidden, inter]."""
+    key, _ = table_for(device_limits(index).arch)
+    return choose(key, shape_class(inter), bucket, 2 * inter, hidden, hidden, inter, device_limits(index),
+                  lambda name: kernel_resources(index, name))
 
 
-def fits(cfg: CudaConfig, n: int, k: int) -> bool:
-    """Whether a config runs on an [n, k] weight: whole spans of row tiles, whole stages and splits of K."""
-    nt, warps, r, stages, h, ta, sc, span, ks = cfg
-    ks = min(ks, k)
-    return (tuple(cfg[:7]) in KERNELS and n % (warps * r * 16 * span) == 0 and ks % (STEP * h) == 0
-            and k % ks == 0)
+def choice(m: int, inter: int, hidden: int, index: int) -> Choice:
+    """What M = m runs on device `index` (its bucket's choice)."""
+    _, table = table_for(device_limits(index).arch)
+    return bucket_choice(index, inter, hidden, bucket_of(table[shape_class(inter)], m))
+
+
+def bucket_records(device: torch.device, inter: int, hidden: int) -> list[dict[str, object]]:
+    """build.json's per-bucket records of one expert shape on `device`: impl, kernels, why."""
+    index = _cuda(device).index
+    _, table = table_for(device_limits(index).arch)
+    return [bucket_choice(index, inter, hidden, b).record(hidden, inter) for b in sorted(table[shape_class(inter)])]
 
 
 @cache
@@ -119,15 +99,21 @@ def unavailable_reason(device: torch.device) -> str | None:
     return _unavailable(_cuda(device).index)
 
 
-def supports(x: Tensor, w13_q: Tensor, w2_q: Tensor, configs: dict[str, CudaConfig] | None = None) -> bool:
-    """bf16 activations on CUDA, at most MAX_EXPERTS experts, an M bucket the CUDA kernel serves (or
-    `configs`), shapes the configs tile, and no more tokens an expert (at most M) than a stage holds."""
+def supports(x: Tensor, w13_q: Tensor, w2_q: Tensor, configs: Bucket | None = None) -> bool:
+    """bf16 activations on CUDA, at most MAX_EXPERTS experts, and configs (`configs`, else the M
+    bucket's choice on this device) that tile the shapes, hold every token an expert can get and fit
+    the device."""
     m, h = x.shape
     e, two_i, _ = w13_q.shape
-    cfg = configs or cuda_config(m, two_i // 2)
-    return (cfg is not None and x.is_cuda and x.dtype == torch.bfloat16 and e <= MAX_EXPERTS
-            and fits(cfg["gate_up"], two_i, h) and fits(cfg["down"], h, two_i // 2)
-            and all(c[5] >= min(8 * c[0], m) for c in cfg.values()))
+    inter = two_i // 2
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and e <= MAX_EXPERTS and tuple(w2_q.shape[1:]) == (h, inter // 8)):
+        return False
+    index = _cuda(x.device).index
+    if configs is None:
+        return choice(m, inter, h, index).cuda
+    limits = device_limits(index)
+    return all(c.tiles(n, k) and c.holds(m) and misfit(c, k, limits, kernel_resources(index, c.kernel)) is None
+               for c, n, k in ((configs.gate_up, two_i, h), (configs.down, h, inter)))
 
 
 def _cuda(device: torch.device) -> torch.device:
@@ -184,22 +170,21 @@ def silu_prep(gu: Tensor, inter: int) -> Prepared:
 
 
 def _pass(a: Prepared, wq: Tensor, ws: Tensor, tw: Tensor, n: int, k: int, a_rows_per_slot: int,
-          weighted: bool, cfg: CudaConfig, table: Table, s: int, early: bool) -> Tensor:
+          weighted: bool, cfg: PassConfig, table: Table, s: int, early: bool) -> Tensor:
     """Partials [K / KS, slots, n] of one projection, bf16 when `weighted` (the down pass: moe_sum
     reads them back) and fp32 otherwise; `early`: the table was finished before the launch before
     this one (the down pass), so the first weight stages load before the wait."""
-    nt, warps, r, stages, h, ta, sc, span, ks = cfg
-    ks = min(ks, k)
+    ks = min(cfg.k_chunk, k)
     slots, seg, cnt, bexp, bms, ub = table
     part = torch.empty(k // ks, s, n, dtype=torch.bfloat16 if weighted else torch.float32, device=wq.device)
-    _launch(wq.device, kernel_name(cfg), (ub, n // (warps * r * 16 * span), k // ks), warps * 32,
-            smem_bytes(cfg, k), [*a, wq, ws, part, tw, slots, seg, cnt, bexp, bms, s, n, k, ks, span,
-                                 a_rows_per_slot, wq.shape[0], weighted, early])
+    _launch(wq.device, cfg.kernel, (ub, n // (cfg.rows * cfg.span), k // ks), cfg.threads,
+            cfg.smem_bytes(k), [*a, wq, ws, part, tw, slots, seg, cnt, bexp, bms, s, n, k, ks, cfg.span,
+                                a_rows_per_slot, wq.shape[0], weighted, early])
     return part
 
 
 def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor,
-              topk_ids: Tensor, topk_weights: Tensor, configs: dict[str, CudaConfig] | None = None) -> Tensor:
+              topk_ids: Tensor, topk_weights: Tensor, configs: Bucket | None = None) -> Tensor:
     """Routed-expert MoE: [M, H] bf16 -> [M, H]; `configs` overrides the M bucket's (the GPU sweep uses it).
     Five launches: table + activations, gate_up, SiLU + prepare, down, sum (one more table when
     the passes' block sizes differ)."""
@@ -208,16 +193,15 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
     inter = two_i // 2
     topk = topk_ids.shape[1]
     s = m * topk
-    cfg = configs or cuda_config(m, inter)
-    if not supports(x, w13_q, w2_q, cfg):
-        raise ValueError(f"moe_cuda: unsupported input (dtype {x.dtype}, H {h}, I {inter}, E {e}, config {cfg})")
+    if not supports(x, w13_q, w2_q, configs):
+        raise ValueError(f"moe_cuda: unsupported input (dtype {x.dtype}, H {h}, I {inter}, E {e}, configs {configs})")
+    cfg = configs or choice(m, inter, h, _cuda(x.device).index).configs
     ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
     tw = topk_weights.reshape(-1).float().contiguous()
-    bm_gu, bm_dn = 8 * cfg["gate_up"][0], 8 * cfg["down"][0]
-    table_gu, xprep = align(ids, e, bm_gu, x.contiguous())
-    table_dn = table_gu if bm_dn == bm_gu else align(ids, e, bm_dn)[0]
-    gu = _pass(xprep, w13_q, w13_s, tw, two_i, h, topk, False, cfg["gate_up"], table_gu, s, False)
-    dn = _pass(silu_prep(gu, inter), w2_q, w2_s, tw, h, inter, 1, True, cfg["down"], table_dn, s, True)
+    table_gu, xprep = align(ids, e, cfg.gate_up.slots, x.contiguous())
+    table_dn = table_gu if cfg.down.slots == cfg.gate_up.slots else align(ids, e, cfg.down.slots)[0]
+    gu = _pass(xprep, w13_q, w13_s, tw, two_i, h, topk, False, cfg.gate_up, table_gu, s, False)
+    dn = _pass(silu_prep(gu, inter), w2_q, w2_s, tw, h, inter, 1, True, cfg.down, table_dn, s, True)
     out = torch.empty(m, h, dtype=x.dtype, device=x.device)
     _launch(x.device, "moe_sum", (triton.cdiv(m * h // 4, 256),), 256, 0, [dn, dn.shape[0], s, m, h, topk, out])
     return out

@@ -566,7 +566,7 @@ extern "C" __global__ void __launch_bounds__(1024)
                                           span, a_rows_per_slot, E, weighted, early);                      \
   }
 
-// The configs kernels/moe_cuda.py may pick (KERNELS there lists the same names).
+// The kernels kernels/moe_configs.py's tables may pick (KERNELS there lists the same names).
 MOE_KERNEL(1, 4, 1, 2, 2, 1, 0)
 MOE_KERNEL(1, 4, 1, 2, 2, 2, 0)
 MOE_KERNEL(1, 4, 1, 2, 2, 4, 0)
