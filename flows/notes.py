@@ -624,20 +624,29 @@ def history(view: HostView) -> Table:
     return Table.of(("run", "started", "profile", "suites", "payload", "status", "shown here"), rows)
 
 
+def roofline_us(k: dict[str, Any], copy: float | None, mm: float | None) -> float | None:
+    """A point's floor: max(bytes / copy bandwidth, flops / matmul rate) at the run's own ceilings (us)."""
+    if not copy or not mm:
+        return None
+    return max(k["bytes"] / (copy * 1e3), k["flops"] / (mm * 1e6))
+
+
 def moe_table(view: HostView, run: Run, pts: list[dict[str, Any]], tp: int) -> MoeTable:
-    copy, _ = ceilings_of(run, view.spec)
+    copy, mm = ceilings_of(run, view.spec)
     spec_bw = view.spec.mem_bw_gbps if view.spec else None
     projected = view.kind == "projected"
-    head = ["M", "impl", "us", "us/token", "MB moved", "GB/s", "% of copy BW", "% of spec BW",
-            "unique experts (expected)"]
+    head = ["M", "impl", "us", "host us", "us/token", "MB moved", "GB/s", "% of copy BW", "% of spec BW",
+            "roofline %", "unique experts (expected)"]
     if projected:
         head[2:3] = ["us", "band (us)", "regime (ref)"]
     rows = []
     for k in pts:
         t = k["time_us_p50"]
         gb = k["bytes"] / (t * 1e3)
-        row = [str(k["M"]), md(k["impl"]), fmt(t), fmt(t / k["M"], 2), fmt(k["bytes"] / 1e6), sig(gb),
-               fmt(100 * gb / copy if copy else None), fmt(100 * gb / spec_bw if spec_bw else None),
+        floor = roofline_us(k, copy, mm)
+        row = [str(k["M"]), md(k["impl"]), fmt(t), fmt(k.get("host_us")), fmt(t / k["M"], 2), fmt(k["bytes"] / 1e6),
+               sig(gb), fmt(100 * gb / copy if copy else None), fmt(100 * gb / spec_bw if spec_bw else None),
+               fmt(100 * floor / t if floor else None),
                f"{k['unique_experts'] if k['unique_experts'] is not None else '-'} ({fmt(k['expected_experts'])})"]
         if projected:
             row[2:3] = [fmt(t), f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}",

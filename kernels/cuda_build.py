@@ -23,6 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -144,7 +145,7 @@ def device_attribute(index: int, attribute: int) -> int:
 
 
 class Kernel:
-    """One __global__ function of a loaded module; call with (grid, block, smem, args)."""
+    """One __global__ function of a loaded module: its attributes, and launches through `Launch`."""
 
     def __init__(self, lib: ctypes.CDLL, fn: ctypes.c_void_p, name: str) -> None:
         self.lib, self.fn, self.name, self._smem = lib, fn, name, 0
@@ -156,17 +157,36 @@ class Kernel:
                f"{self.name}: cuFuncGetAttribute({attribute})")
         return value.value
 
-    def __call__(self, grid: Sequence[int], block: int, smem: int, args: Sequence[object], pdl: bool = False) -> None:
-        """Launch on torch's current stream; `pdl`: as a programmatic dependent launch (sm_90 on: the
-        kernel must griddepcontrol.wait before it reads what the kernel before it writes)."""
-        if smem > self._smem:  # above 48 KB a kernel must opt in to more dynamic shared memory
+    def reserve_smem(self, smem: int) -> None:
+        """Opt in to `smem` bytes of dynamic shared memory a launch (needed above 48 KB), once per size."""
+        if smem > self._smem:
             _check(self.lib, self.lib.cuFuncSetAttribute(self.fn, _MAX_DYNAMIC_SMEM, ctypes.c_int(smem)),
                    f"{self.name}: cuFuncSetAttribute({smem} bytes)")
             self._smem = smem
-        cargs = [a if isinstance(a, ctypes._SimpleCData) else _arg(a) for a in args]
-        params = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(a) for a in cargs])
-        config = launch_config(grid, block, smem, torch.cuda.current_stream().cuda_stream, pdl)
-        _check(self.lib, self.lib.cuLaunchKernelEx(ctypes.byref(config), self.fn, params, None), f"launch {self.name}")
+
+
+class Launch:
+    """One launch of a kernel, set up once: its config (grid, 1-D block, dynamic shared memory,
+    programmatic dependent launch) and its arguments, 8 bytes a slot in `args` (a view of the
+    caller's int64 buffer: pointers, and ints read from the low 4 bytes). A call writes the stream
+    and launches on it: nothing is built per call, which is what an eager caller pays for."""
+
+    def __init__(self, kernel: Kernel, grid: Sequence[int], block: int, smem: int, args: np.ndarray, pdl: bool) -> None:
+        if args.dtype != np.int64 or not args.flags.c_contiguous:
+            raise ValueError("Launch arguments must be a contiguous int64 buffer")
+        kernel.reserve_smem(smem)
+        self.kernel, self.args = kernel, args
+        self.params = (ctypes.c_void_p * len(args))(*(args.ctypes.data + 8 * i for i in range(len(args))))
+        self.config = launch_config(grid, block, smem, 0, pdl)
+        self._config = ctypes.byref(self.config)
+        self._launch = kernel.lib.cuLaunchKernelEx
+
+    def __call__(self, stream: int) -> None:
+        """Launch on `stream` (a raw CUstream: torch's current one, so CUDA graphs capture it)."""
+        self.config.stream = stream
+        rc = self._launch(self._config, self.kernel.fn, self.params, None)
+        if rc:
+            _check(self.kernel.lib, rc, f"launch {self.kernel.name}")
 
 
 def launch_config(grid: Sequence[int], block: int, smem: int, stream: int, pdl: bool) -> LaunchConfig:
@@ -177,14 +197,11 @@ def launch_config(grid: Sequence[int], block: int, smem: int, stream: int, pdl: 
                         smem=smem, stream=stream, attrs=ctypes.pointer(attr), num_attrs=int(pdl))
 
 
-def _arg(a: object) -> ctypes._SimpleCData:
-    if a is None:  # a pointer argument the kernel is told to leave alone
-        return ctypes.c_void_p(None)
-    if isinstance(a, torch.Tensor):
-        return ctypes.c_void_p(a.data_ptr())
-    if isinstance(a, int):  # bool included
-        return ctypes.c_int(int(a))
-    raise TypeError(f"kernel argument of type {type(a).__name__}")
+def current_stream(index: int) -> int:
+    """torch's current raw stream on device `index` (the private call torch's own extensions use: a
+    tenth of the cost of torch.cuda.current_stream(), which builds a Stream object)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 class Module:

@@ -21,8 +21,10 @@ one runs and why.
 from __future__ import annotations
 
 import os
+import threading
 from functools import cache
 
+import numpy as np
 import torch
 import triton
 from torch import Tensor
@@ -99,21 +101,46 @@ def unavailable_reason(device: torch.device) -> str | None:
     return _unavailable(_cuda(device).index)
 
 
-def supports(x: Tensor, w13_q: Tensor, w2_q: Tensor, configs: Bucket | None = None) -> bool:
-    """bf16 activations on CUDA, at most MAX_EXPERTS experts, and configs (`configs`, else the M
-    bucket's choice on this device) that tile the shapes, hold every token an expert can get and fit
-    the device."""
+# The key of one call shape: (on CUDA, device index, dtype, M, H, E, 2 I, w2's [H, I / 8])
+Key = tuple[bool, int, torch.dtype, int, int, int, int, tuple[int, ...]]
+
+
+def _key(x: Tensor, w13_q: Tensor, w2_q: Tensor) -> Key:
     m, h = x.shape
     e, two_i, _ = w13_q.shape
+    return x.is_cuda, x.get_device(), x.dtype, m, h, e, two_i, tuple(w2_q.shape[1:])
+
+
+@cache
+def _why_not(key: Key, configs: Bucket | None) -> str | None:
+    """Why these inputs cannot run here (None when they can): not bf16 on a CUDA device with a built
+    kernel, too many experts, mismatched weights, or configs (`configs`, else the M bucket's choice on
+    this device) that do not tile the shapes, hold every token an expert can get, or fit the device."""
+    on_cuda, index, dtype, m, h, e, two_i, w2 = key
     inter = two_i // 2
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and e <= MAX_EXPERTS and tuple(w2_q.shape[1:]) == (h, inter // 8)):
-        return False
-    index = _cuda(x.device).index
+    if not on_cuda or dtype != torch.bfloat16:
+        return f"the CUDA kernel takes bf16 activations on a CUDA device, not {dtype} on {'cuda' if on_cuda else 'cpu'}"
+    why = _unavailable(index)
+    if why is not None:
+        return why
+    if e > MAX_EXPERTS or w2 != (h, inter // 8):
+        return f"E = {e} (at most {MAX_EXPERTS}), w2 [{', '.join(map(str, w2))}] (want [{h}, {inter // 8}])"
     if configs is None:
-        return choice(m, inter, h, index).cuda
+        c = choice(m, inter, h, index)
+        return None if c.cuda else f"M = {m} runs the Triton kernel here: {c.why()}"
     limits = device_limits(index)
-    return all(c.tiles(n, k) and c.holds(m) and misfit(c, k, limits, kernel_resources(index, c.kernel)) is None
-               for c, n, k in ((configs.gate_up, two_i, h), (configs.down, h, inter)))
+    for name, c, n, k in (("gate_up", configs.gate_up, two_i, h), ("down", configs.down, h, inter)):
+        why = (None if c.tiles(n, k) else f"does not tile [{n}, {k}]") or \
+              (None if c.holds(m) else f"holds {c.tokens} token(s) a stage, fewer than M = {m} can route to an expert") or \
+              misfit(c, k, limits, kernel_resources(index, c.kernel))
+        if why is not None:
+            return f"{name} {c.kernel}: {why}"
+    return None
+
+
+def supports(x: Tensor, w13_q: Tensor, w2_q: Tensor, configs: Bucket | None = None) -> bool:
+    """Whether moe_w4a16 runs these inputs here (`configs`, else the M bucket's choice): _why_not's rules."""
+    return _why_not(_key(x, w13_q, w2_q), configs) is None
 
 
 def _cuda(device: torch.device) -> torch.device:
@@ -125,83 +152,115 @@ def _module(device: torch.device) -> cuda_build.Module:
     return cuda_build.module(SOURCE, _cuda(device))
 
 
-@cache
-def _pdl(index: int) -> bool:
-    """Programmatic dependent launch: sm_90 and later."""
-    return torch.cuda.get_device_capability(index)[0] >= 9
+# Base pointers of a call, in the order _Call's argument slots name them (0: no base, a plain value)
+_BASES = ("", "workspace", "x", "w13_q", "w13_s", "w2_q", "w2_s", "ids", "tw", "out")
+_ALIGN = 256  # bytes: each workspace buffer starts on its own 256-byte boundary
 
 
-def _launch(dev: torch.device, name: str, grid: tuple[int, ...], block: int, smem: int, args: list[object]) -> None:
-    _module(dev).kernel(name)(grid, block, smem, args, pdl=_pdl(_cuda(dev).index))
+class _Call:
+    """One call shape set up once: the workspace's layout, every launch with its arguments. A call
+    then allocates the workspace and the output, fills nine base pointers into the argument slots
+    (one numpy add) and makes the launches: moe_align (the block table; its CTAs past the first
+    prepare x), a second moe_align when the passes' block sizes differ, gate_up, moe_silu_prep (SiLU
+    x up, prepared for down), down, moe_sum."""
+
+    def __init__(self, index: int, m: int, h: int, e: int, inter: int, topk: int, cfg: Bucket) -> None:
+        dev = torch.device("cuda", index)
+        mod, pdl = _module(dev), torch.cuda.get_device_capability(index)[0] >= 9
+        s = m * topk
+        self.m, self.h, self.index = m, h, index
+        self.ws_bytes = 0
+
+        def buf(nbytes: int) -> tuple[int, int]:  # (base, offset) of a new workspace buffer
+            at = self.ws_bytes
+            self.ws_bytes += -(-nbytes // _ALIGN) * _ALIGN
+            return 1, at
+
+        def table(bm: int) -> tuple[int, list[tuple[int, int]]]:
+            ub = triton.cdiv(s, bm) + min(e, s)
+            return ub, [buf(4 * s), buf(4 * e), buf(4 * e), buf(4 * ub), buf(4 * ub)]
+
+        def val(v: int) -> tuple[int, int]:
+            return 0, int(v)
+
+        base = {name: (i, 0) for i, name in enumerate(_BASES)}
+        gu_cfg, dn_cfg = cfg.gate_up, cfg.down
+        ub_gu, tab_gu = table(gu_cfg.slots)
+        ub_dn, tab_dn = (ub_gu, tab_gu) if dn_cfg.slots == gu_cfg.slots else table(dn_cfg.slots)
+        xp, xs = buf(2 * m * h), buf(2 * m * h // 16)
+        gu_splits, dn_splits = gu_cfg.splits(h), dn_cfg.splits(inter)
+        gu, hp, hs = buf(4 * gu_splits * s * 2 * inter), buf(2 * s * inter), buf(2 * s * inter // 16)
+        dn = buf(2 * dn_splits * s * h)
+        null = val(0)
+
+        def gemm(c: PassConfig, a: list, wq: str, ws: str, part: tuple[int, int], tab: list, ub: int,
+                 n: int, k: int, rows_per_slot: int, down: bool) -> tuple:
+            grid = (ub, n // (c.rows * c.span), c.splits(k))
+            args = [*a, base[wq], base[ws], part, base["tw"], *tab, val(s), val(n), val(k), val(min(c.k_chunk, k)),
+                    val(c.span), val(rows_per_slot), val(e), val(down), val(down)]  # weighted, early: the down pass
+            return c.kernel, grid, c.threads, c.smem_bytes(k), args
+
+        specs = [("moe_align", (1 + triton.cdiv(m * h // 8, 1024),), 1024, 0,
+                  [base["ids"], val(s), val(e), val(gu_cfg.slots), val(ub_gu), *tab_gu, base["x"], val(m), val(h),
+                   xp, xs])]
+        if tab_dn is not tab_gu:
+            specs.append(("moe_align", (1,), 1024, 0, [base["ids"], val(s), val(e), val(dn_cfg.slots), val(ub_dn),
+                                                       *tab_dn, null, val(0), val(0), null, null]))
+        specs += [gemm(gu_cfg, [xp, xs], "w13_q", "w13_s", gu, tab_gu, ub_gu, 2 * inter, h, topk, False),
+                  ("moe_silu_prep", (triton.cdiv(s * inter // 8, 256),), 256, 0,
+                   [gu, val(gu_splits), val(s), val(inter), hp, hs]),
+                  gemm(dn_cfg, [hp, hs], "w2_q", "w2_s", dn, tab_dn, ub_dn, h, inter, 1, True),
+                  ("moe_sum", (triton.cdiv(m * h // 4, 256),), 256, 0,
+                   [dn, val(dn_splits), val(s), val(m), val(h), val(topk), base["out"]])]
+        slots = [a for *_, args in specs for a in args]
+        self._which = np.array([b for b, _ in slots], dtype=np.intp)
+        self._offset = np.array([o for _, o in slots], dtype=np.int64)
+        self._args = np.zeros(len(slots), dtype=np.int64)
+        self.launches, at = [], 0
+        for name, grid, block, smem, args in specs:
+            view = self._args[at:at + len(args)]
+            self.launches.append(cuda_build.Launch(mod.kernel(name), grid, block, smem, view, pdl))
+            at += len(args)
+
+    def __call__(self, pointers: tuple[int, ...]) -> None:
+        """Fill in the call's base pointers (in _BASES order) and launch on torch's current stream."""
+        np.add(np.asarray(pointers, dtype=np.int64)[self._which], self._offset, out=self._args)
+        stream = cuda_build.current_stream(self.index)
+        for launch in self.launches:
+            launch(stream)
 
 
-Table = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]
-Prepared = tuple[Tensor, Tensor]  # activations in the dequant's pair order, their group sums
+_calls = threading.local()  # per thread: a _Call's argument buffer is written by each call
 
 
-def align(ids: Tensor, experts: int, bm: int, x: Tensor | None = None) -> tuple[Table, Prepared | None]:
-    """moe_gemm.align()'s table (same tensors, same meaning) from one moe_align launch, which also
-    prepares activations `x` for the GEMM when given (emit_word's comment says how)."""
-    s = ids.numel()
-    ub = triton.cdiv(s, bm) + min(experts, s)
-    dev = ids.device
-    slots = torch.empty(s, dtype=torch.int32, device=dev)
-    seg = torch.empty(experts, dtype=torch.int32, device=dev)
-    cnt = torch.empty(experts, dtype=torch.int32, device=dev)
-    bexp = torch.empty(ub, dtype=torch.int32, device=dev)
-    bms = torch.empty(ub, dtype=torch.int32, device=dev)
-    prep, args, grid = None, [None, 0, 0, None, None], 1
-    if x is not None:
-        rows, k = x.shape
-        prep = (torch.empty_like(x), torch.empty(rows, k // 16, dtype=x.dtype, device=dev))
-        args, grid = [x, rows, k, *prep], 1 + triton.cdiv(rows * k // 8, 1024)
-    _launch(dev, "moe_align", (grid,), 1024, 0, [ids, s, experts, bm, ub, slots, seg, cnt, bexp, bms, *args])
-    return (slots, seg, cnt, bexp, bms, ub), prep
-
-
-def silu_prep(gu: Tensor, inter: int) -> Prepared:
-    """h = silu(gate) * up from the gate_up partials, prepared for the down GEMM in one launch."""
-    splits, s, _ = gu.shape
-    hp = torch.empty(s, inter, dtype=torch.bfloat16, device=gu.device)
-    hs = torch.empty(s, inter // 16, dtype=torch.bfloat16, device=gu.device)
-    grid = (triton.cdiv(s * inter // 8, 256),)
-    _launch(gu.device, "moe_silu_prep", grid, 256, 0, [gu, splits, s, inter, hp, hs])
-    return hp, hs
-
-
-def _pass(a: Prepared, wq: Tensor, ws: Tensor, tw: Tensor, n: int, k: int, a_rows_per_slot: int,
-          weighted: bool, cfg: PassConfig, table: Table, s: int, early: bool) -> Tensor:
-    """Partials [K / KS, slots, n] of one projection, bf16 when `weighted` (the down pass: moe_sum
-    reads them back) and fp32 otherwise; `early`: the table was finished before the launch before
-    this one (the down pass), so the first weight stages load before the wait."""
-    ks = min(cfg.k_chunk, k)
-    slots, seg, cnt, bexp, bms, ub = table
-    part = torch.empty(k // ks, s, n, dtype=torch.bfloat16 if weighted else torch.float32, device=wq.device)
-    _launch(wq.device, cfg.kernel, (ub, n // (cfg.rows * cfg.span), k // ks), cfg.threads,
-            cfg.smem_bytes(k), [*a, wq, ws, part, tw, slots, seg, cnt, bexp, bms, s, n, k, ks, cfg.span,
-                                a_rows_per_slot, wq.shape[0], weighted, early])
-    return part
+def _call(key: Key, topk: int, configs: Bucket | None) -> _Call:
+    table = getattr(_calls, "table", None)
+    if table is None:
+        table = _calls.table = {}
+    call = table.get((key, topk, configs))
+    if call is None:
+        why = _why_not(key, configs)
+        if why is not None:
+            raise ValueError(f"moe_cuda: cannot run these inputs here: {why}")
+        _, index, _, m, h, e, two_i, _ = key
+        cfg = configs or choice(m, two_i // 2, h, index).configs
+        call = table[key, topk, configs] = _Call(index, m, h, e, two_i // 2, topk, cfg)
+    return call
 
 
 def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor,
               topk_ids: Tensor, topk_weights: Tensor, configs: Bucket | None = None) -> Tensor:
-    """Routed-expert MoE: [M, H] bf16 -> [M, H]; `configs` overrides the M bucket's (the GPU sweep uses it).
-    Five launches: table + activations, gate_up, SiLU + prepare, down, sum (one more table when
-    the passes' block sizes differ)."""
-    m, h = x.shape
-    e, two_i, _ = w13_q.shape
-    inter = two_i // 2
-    topk = topk_ids.shape[1]
-    s = m * topk
-    if not supports(x, w13_q, w2_q, configs):
-        raise ValueError(f"moe_cuda: unsupported input (dtype {x.dtype}, H {h}, I {inter}, E {e}, configs {configs})")
-    cfg = configs or choice(m, inter, h, _cuda(x.device).index).configs
-    ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
-    tw = topk_weights.reshape(-1).float().contiguous()
-    table_gu, xprep = align(ids, e, cfg.gate_up.slots, x.contiguous())
-    table_dn = table_gu if cfg.down.slots == cfg.gate_up.slots else align(ids, e, cfg.down.slots)[0]
-    gu = _pass(xprep, w13_q, w13_s, tw, two_i, h, topk, False, cfg.gate_up, table_gu, s, False)
-    dn = _pass(silu_prep(gu, inter), w2_q, w2_s, tw, h, inter, 1, True, cfg.down, table_dn, s, True)
-    out = torch.empty(m, h, dtype=x.dtype, device=x.device)
-    _launch(x.device, "moe_sum", (triton.cdiv(m * h // 4, 256),), 256, 0, [dn, dn.shape[0], s, m, h, topk, out])
+    """Routed-expert MoE: [M, H] bf16 -> [M, H]; `configs` overrides the M bucket's (the GPU sweep uses it)."""
+    call = _call(_key(x, w13_q, w2_q), topk_ids.shape[1], configs)
+    if not (w13_q.is_contiguous() and w13_s.is_contiguous() and w2_q.is_contiguous() and w2_s.is_contiguous()):
+        raise ValueError("moe_cuda: the expert weights and scales must be contiguous")
+    x = x.contiguous()
+    ids = topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous() else \
+        topk_ids.to(torch.int64).contiguous()
+    tw = topk_weights if topk_weights.dtype == torch.float32 and topk_weights.is_contiguous() else \
+        topk_weights.float().contiguous()
+    ws = torch.empty(call.ws_bytes, dtype=torch.uint8, device=x.device)
+    out = torch.empty_like(x)
+    call((0, ws.data_ptr(), x.data_ptr(), w13_q.data_ptr(), w13_s.data_ptr(), w2_q.data_ptr(), w2_s.data_ptr(),
+          ids.data_ptr(), tw.data_ptr(), out.data_ptr()))
     return out

@@ -189,7 +189,7 @@ def test_build_compares_the_moe_at_each_kind_of_config_of_both_shape_classes():
     p = PROFILES[("cuda", "full")]
     shapes = build.moe_shapes(p, {1, 16, 17, 272})
     compared = {(tp, m) for tp, m, c in shapes if c}
-    assert compared == {(tp, m) for tp in (1, 8) for m in (1, 16, 128, 512, 1024)}
+    assert compared == {(tp, m) for tp in (1, 8) for m in (1, 16, 128, 512, 4096)}
     assert [(tp, m) for tp, m, _ in shapes] == ([(1, m) for m in sorted({*p.moe_m, 17, 272})]
                                                 + [(8, m) for m in sorted(p.moe_tp_m)])
     assert all(tp == 1 for tp, _, _ in build.moe_shapes(PROFILES[("cpu", "full")], set())), "no shard on the CPU"

@@ -7,10 +7,12 @@ only names kernels the source instantiates, at shapes they tile.
 
 from __future__ import annotations
 
+import ctypes
 import re
 import stat
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -218,13 +220,15 @@ def fake_device(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     shape and fallback rules only; nothing launches)."""
     def use(limits: moe_configs.DeviceLimits) -> None:
         moe_cuda.bucket_choice.cache_clear()
+        moe_cuda._why_not.cache_clear()
         monkeypatch.setattr(moe_cuda, "device_limits", lambda index: limits)
         monkeypatch.setattr(moe_cuda, "kernel_resources", lambda index, name: resources()(name))
         monkeypatch.setattr(moe_cuda, "_cuda", lambda device: torch.device("cuda", 0))
-        monkeypatch.setattr(moe_cuda, "unavailable_reason", lambda device: None)
+        monkeypatch.setattr(moe_cuda, "_unavailable", lambda index: None)
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     yield use
     moe_cuda.bucket_choice.cache_clear()
+    moe_cuda._why_not.cache_clear()
 
 
 def test_impl_and_build_record_say_which_kernel_runs_and_why(fake_device) -> None:  # noqa: ANN001
@@ -274,13 +278,46 @@ def test_a_one_step_chunk_asks_for_one_ring_stage() -> None:
     assert of("nt1_w4_r1_s4_h1_a8_sc0", 4, 256).smem_bytes(256) == cfg.smem_bytes(2048), "tiles fill the ring"
 
 
-def test_kernel_arguments_are_device_pointers_ints_or_null() -> None:
-    t = torch.zeros(2)
-    assert cuda_build._arg(t).value == t.data_ptr()
-    assert cuda_build._arg(7).value == 7 and cuda_build._arg(True).value == 1
-    assert cuda_build._arg(None).value is None, "None is a null pointer (moe_align without activations)"
-    with pytest.raises(TypeError, match="float"):
-        cuda_build._arg(1.5)
+class FakeDriver:
+    """The two driver calls a Launch makes, recorded: what the kernel would have been given."""
+
+    def __init__(self, rc: int = 0) -> None:
+        self.rc, self.launched, self.smem = rc, [], []
+
+    def cuLaunchKernelEx(self, config, fn, params, extra) -> int:  # noqa: ANN001, N802 - the driver's names
+        cfg = config._obj
+        self.launched.append((cfg.stream, list(cfg.grid), [ctypes.c_int64.from_address(params[i]).value
+                                                           for i in range(len(params))]))
+        return self.rc
+
+    def cuFuncSetAttribute(self, fn, attr, value) -> int:  # noqa: ANN001, N802
+        self.smem.append(value.value)
+        return 0
+
+    def cuGetErrorString(self, rc, out) -> int:  # noqa: ANN001, N802
+        out._obj.value = b"invalid argument"
+        return 0
+
+
+def test_a_launch_is_set_up_once_and_reads_its_arguments_from_the_buffer() -> None:
+    """The params array points into the caller's int64 buffer: writing the buffer is all a call
+    does before the launch; ints are read from a slot's low 4 bytes (little-endian)."""
+    lib = FakeDriver()
+    kernel = cuda_build.Kernel(lib, ctypes.c_void_p(1), "k")
+    buf = np.zeros(6, dtype=np.int64)
+    launch = cuda_build.Launch(kernel, (3, 2), 128, 70000, buf[2:5], pdl=True)
+    assert lib.smem == [70000], "the opt-in above 48 KB is made at set-up"
+    cuda_build.Launch(kernel, (1,), 128, 60000, buf[:2], pdl=False)
+    assert lib.smem == [70000], "once per size: a smaller one needs none"
+    buf[2:5] = [0x7F0000001000, 17, -1]
+    launch(stream=99)
+    assert lib.launched == [(99, [3, 2, 1], [0x7F0000001000, 17, -1])]
+    assert ctypes.c_int.from_address(launch.params[2]).value == -1
+    with pytest.raises(ValueError, match="contiguous int64"):
+        cuda_build.Launch(kernel, (1,), 32, 0, buf[::2], pdl=False)
+    lib.rc = 1
+    with pytest.raises(RuntimeError, match=r"launch k failed: CUDA error 1 \(invalid argument\)"):
+        launch(stream=99)
 
 
 def test_launch_config_matches_cuda_h_and_asks_for_pdl_only_when_told() -> None:
@@ -329,3 +366,61 @@ def test_a_stage_of_one_token_serves_only_m_1(fake_device) -> None:  # noqa: ANN
     assert moe_cuda.supports(torch.zeros(2048, 7168, dtype=torch.bfloat16), w13, w2, big)
     fake_device(SM120)
     assert not moe_cuda.supports(torch.zeros(2048, 7168, dtype=torch.bfloat16), w13, w2, big), "an override is checked too"
+
+
+def _cu_params(name: str) -> int:
+    """How many parameters kernel `name` (or, for moe_w4a16_*, the MOE_KERNEL macro's) takes in the source."""
+    src = SOURCE.read_text()
+    at = src.index("moe_w4a16_nt##NT" if name.startswith("moe_w4a16_") else f"    {name}(")
+    params = src[src.index("(", at) + 1:src.index(")", at)]
+    return len(params.replace("\\", " ").split(","))
+
+
+def test_a_call_shape_is_laid_out_once_and_wires_each_pass_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_Call (CPU, driver faked): each launch gets as many arguments as its kernel declares, the
+    buffers chain align -> gate_up -> SiLU -> down -> sum, workspace buffers are 256-byte aligned and
+    disjoint, and a call writes only the base pointers. Passes of different block sizes (sm_120's
+    TP-8 M = 1024 fallback: 16-slot gate_up, 32-slot down) get a table each."""
+    lib = FakeDriver()
+    kernels = {}
+
+    class Mod:
+        def kernel(self, name: str) -> cuda_build.Kernel:
+            return kernels.setdefault(name, cuda_build.Kernel(lib, ctypes.c_void_p(1), name))
+
+    monkeypatch.setattr(moe_cuda, "_module", lambda device: Mod())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(cuda_build, "current_stream", lambda index: 5)
+    shard = moe_configs.H200["shard"]
+    cfg = moe_configs.Bucket(shard[512].gate_up, shard[1024].down)
+    m, h, e, inter, topk = 1000, 7168, 384, 256, 8
+    call = moe_cuda._Call(0, m, h, e, inter, topk, cfg)
+    names = [ln.kernel.name for ln in call.launches]
+    assert names == ["moe_align", "moe_align", cfg.gate_up.kernel, "moe_silu_prep", cfg.down.kernel, "moe_sum"]
+    for ln in call.launches:
+        assert len(ln.args) == _cu_params(ln.kernel.name), ln.kernel.name
+    ptr = dict(zip(moe_cuda._BASES, (0, *(i << 40 for i in range(1, 10)))))
+    call(tuple(ptr.values()))
+    assert [launch[0] for launch in lib.launched] == [5] * 6
+    al_gu, al_dn, gu, silu, dn, sm = (list(ln.args) for ln in call.launches)
+    ws = ptr["workspace"]
+    bufs = sorted({a for args in (al_gu, al_dn, gu, silu, dn, sm) for a in args if ws <= a < ws + call.ws_bytes})
+    assert all((a - ws) % 256 == 0 for a in bufs) and bufs[0] == ws
+    s, ub = m * topk, lambda bm: -(-m * topk // bm) + min(e, m * topk)
+    assert al_gu[:5] == [ptr["ids"], s, e, 16, ub(16)] and al_gu[10:13] == [ptr["x"], m, h]
+    assert al_dn[:5] == [ptr["ids"], s, e, 32, ub(32)] and al_dn[10:] == [0, 0, 0, 0, 0]
+    assert gu[:2] == al_gu[13:15], "gate_up reads the activations align prepared"
+    assert gu[2:4] == [ptr["w13_q"], ptr["w13_s"]] and gu[5] == ptr["tw"] and gu[6:11] == al_gu[5:10]
+    assert gu[11:] == [s, 2 * inter, h, 7168, 1, topk, e, 0, 0]
+    assert silu[0] == gu[4] and silu[1:4] == [1, s, inter], "SiLU reads gate_up's partials"
+    assert dn[:2] == silu[4:6] and dn[6:11] == al_dn[5:10], "down reads SiLU's output and its own table"
+    assert dn[11:] == [s, h, inter, 256, 8, 1, e, 1, 1]
+    assert sm == [dn[4], 1, s, m, h, topk, ptr["out"]]
+    assert lib.launched[2][1] == [ub(16), 2 * inter // (cfg.gate_up.rows * cfg.gate_up.span), 1]
+    assert lib.launched[4][1] == [ub(32), h // (cfg.down.rows * cfg.down.span), 1]
+    need = 4 * s * 2 + 4 * e * 4 + 4 * (ub(16) + ub(32)) * 2 + 2 * m * h * 17 // 16 + 4 * s * 2 * inter + \
+        2 * s * inter * 17 // 16 + 2 * s * h
+    assert need <= call.ws_bytes <= need + 256 * 16
+    ptr["x"] += 64
+    call(tuple(ptr.values()))
+    assert call.launches[0].args[10] == ptr["x"], "a call rewrites the base pointers"
