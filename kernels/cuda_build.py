@@ -92,12 +92,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KDBENCH_CUDA_CACHE") or Path.home() / ".cache" / "kdbench" / "cuda")
 
 
-def compile_cubin(source: Path, arch: str) -> Path:
-    """The cached cubin of `source` for `arch`, compiled now if missing (atomic: tmp file, then rename)."""
+def compile_cubin(source: Path, arch: str, defines: tuple[str, ...] = ()) -> Path:
+    """The cached cubin of `source` for `arch` with macros `defines` (names) set, compiled now if
+    missing (atomic: tmp file, then rename)."""
     nvcc = nvcc_path()
     version = nvcc_version(nvcc)
     num = arch.removeprefix("sm_")
-    flags = (*NVCC_FLAGS, f"-gencode=arch=compute_{num},code=sm_{num}")
+    flags = (*NVCC_FLAGS, f"-gencode=arch=compute_{num},code=sm_{num}", *(f"-D{d}" for d in defines))
     key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(), " ".join(flags).encode()])).hexdigest()
     out = cache_dir() / f"{source.stem}-{arch}-{key[:16]}.cubin"
     if out.is_file():
@@ -226,8 +227,9 @@ class Module:
 
 
 @cache
-def module(source_name: str, device: torch.device) -> Module:
-    """kernels/<source_name> built (or taken from the cache) for `device`'s arch and loaded."""
+def module(source_name: str, device: torch.device, defines: tuple[str, ...] = ()) -> Module:
+    """kernels/<source_name> built (or taken from the cache) for `device`'s arch, with macros
+    `defines` set, and loaded."""
     if device.type != "cuda":
         raise CudaUnavailable(f"{source_name} needs a CUDA device, not {device.type}")
-    return Module(compile_cubin(HERE / source_name, arch_of(device)), device)
+    return Module(compile_cubin(HERE / source_name, arch_of(device), defines), device)

@@ -137,6 +137,11 @@ CUDA_CONFIGS: dict[str, Table] = {"sm_90": H200, DEFAULT: H200}
 # The kernels moe_w4a16.cu instantiates: exactly those the tables pick (a test reads the source).
 KERNELS = frozenset(p.kernel for table in CUDA_CONFIGS.values() for cls in table.values()
                     for b in cls.values() for p in (b.gate_up, b.down))
+# The further candidates of the config sweep (engine/moe_sweep.py), which only a build with MOE_SWEEP
+# defined instantiates (moe_w4a16.cu's end; a test reads the source): 8-warp tiles, a third ring
+# stage and 64-slot blocks for the large M.
+SWEEP_KERNELS = ("nt4_w8_r2_s2_h1_a32_sc1", "nt4_w8_r1_s2_h1_a32_sc1", "nt4_w4_r2_s3_h1_a32_sc1",
+                 "nt8_w4_r2_s2_h1_a64_sc1", "nt8_w8_r1_s2_h1_a64_sc1", "nt2_w8_r2_s2_h1_a16_sc1")
 
 
 def table_for(arch: str) -> tuple[str, Table]:

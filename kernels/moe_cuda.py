@@ -30,8 +30,8 @@ import triton
 from torch import Tensor
 
 from kernels import cuda_build
-from kernels.moe_configs import (Bucket, Choice, DeviceLimits, KernelResources, PassConfig, bucket_of, choose, misfit,
-                                 table_for)
+from kernels.moe_configs import (KERNELS, Bucket, Choice, DeviceLimits, KernelResources, PassConfig, bucket_of, choose,
+                                 misfit, table_for)
 from kernels.moe_gemm import shape_class
 
 SOURCE = "moe_w4a16.cu"
@@ -39,6 +39,9 @@ MAX_EXPERTS = 1024  # moe_align's one-CTA table
 # Lowers the shared memory a block may use below the driver's opt-in (bytes): runs a smaller
 # device's configs here, e.g. sm_120's 101,376 on an H200. It can only lower the limit.
 SMEM_LIMIT_ENV = "KDBENCH_CUDA_SMEM_LIMIT"
+# The build with the sweep's extra candidate kernels (moe_w4a16.cu's end): a config naming a kernel
+# outside the tables' KERNELS runs from it (engine/moe_sweep.py's candidates).
+SWEEP_DEFINE = "MOE_SWEEP"
 
 
 @cache
@@ -59,7 +62,7 @@ def device_limits(index: int) -> DeviceLimits:
 
 def kernel_resources(index: int, name: str) -> KernelResources:
     """Registers, static shared memory and the thread limit of kernel `name` as loaded on device `index`."""
-    k = _module(torch.device("cuda", index)).kernel(name)
+    k = _module(torch.device("cuda", index), name not in KERNELS).kernel(name)
     return KernelResources(k.attribute(cuda_build.FUNC_NUM_REGS), k.attribute(cuda_build.FUNC_SHARED_SIZE_BYTES),
                            k.attribute(cuda_build.FUNC_MAX_THREADS_PER_BLOCK))
 
@@ -148,8 +151,9 @@ def _cuda(device: torch.device) -> torch.device:
     return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _module(device: torch.device) -> cuda_build.Module:
-    return cuda_build.module(SOURCE, _cuda(device))
+def _module(device: torch.device, sweep: bool = False) -> cuda_build.Module:
+    """The shipped build of moe_w4a16.cu on `device`, or (`sweep`) the one with the sweep's candidates too."""
+    return cuda_build.module(SOURCE, _cuda(device), (SWEEP_DEFINE,) if sweep else ())
 
 
 # Base pointers of a call, in the order _Call's argument slots name them (0: no base, a plain value)
@@ -166,10 +170,10 @@ class _Call:
 
     def __init__(self, index: int, m: int, h: int, e: int, inter: int, topk: int, cfg: Bucket) -> None:
         dev = torch.device("cuda", index)
-        mod, pdl = _module(dev), torch.cuda.get_device_capability(index)[0] >= 9
+        mod = _module(dev, not {cfg.gate_up.kernel, cfg.down.kernel} <= KERNELS)
+        pdl = torch.cuda.get_device_capability(index)[0] >= 9
         s = m * topk
-        self.m, self.h, self.index = m, h, index
-        self.ws_bytes = 0
+        self.index, self.ws_bytes = index, 0
 
         def buf(nbytes: int) -> tuple[int, int]:  # (base, offset) of a new workspace buffer
             at = self.ws_bytes
@@ -252,6 +256,9 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
               topk_ids: Tensor, topk_weights: Tensor, configs: Bucket | None = None) -> Tensor:
     """Routed-expert MoE: [M, H] bf16 -> [M, H]; `configs` overrides the M bucket's (the GPU sweep uses it)."""
     call = _call(_key(x, w13_q, w2_q), topk_ids.shape[1], configs)
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_cuda: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [M = {x.shape[0]}, top-k]")
     if not (w13_q.is_contiguous() and w13_s.is_contiguous() and w2_q.is_contiguous() and w2_s.is_contiguous()):
         raise ValueError("moe_cuda: the expert weights and scales must be contiguous")
     x = x.contiguous()

@@ -580,3 +580,14 @@ MOE_KERNEL(2, 4, 2, 2, 1, 16, 1)
 MOE_KERNEL(2, 4, 4, 2, 1, 16, 0)
 MOE_KERNEL(4, 4, 2, 2, 1, 32, 1)
 MOE_KERNEL(4, 4, 4, 2, 1, 32, 1)
+
+// Candidates only the config sweep (engine/moe_sweep.py) builds, with MOE_SWEEP defined: a config
+// of the tables names a kernel above this line.
+#ifdef MOE_SWEEP
+MOE_KERNEL(4, 8, 2, 2, 1, 32, 1)
+MOE_KERNEL(4, 8, 1, 2, 1, 32, 1)
+MOE_KERNEL(4, 4, 2, 3, 1, 32, 1)
+MOE_KERNEL(8, 4, 2, 2, 1, 64, 1)
+MOE_KERNEL(8, 8, 1, 2, 1, 64, 1)
+MOE_KERNEL(2, 8, 2, 2, 1, 16, 1)
+#endif

@@ -70,20 +70,24 @@ def test_cubin_is_cached_by_content(no_nvcc: None, monkeypatch: pytest.MonkeyPat
     other = cuda_build.compile_cubin(SOURCE, "sm_120")
     assert first == again != other and first.read_text() == "cubin\n"
     assert log.read_text().count("run") == 2, "the second sm_90 build came from the cache"
+    assert cuda_build.compile_cubin(SOURCE, "sm_90", ("MOE_SWEEP",)) not in (first, other), "macros, another cubin"
     src = tmp_path / "moe_w4a16.cu"
     src.write_text(SOURCE.read_text() + "\n// changed\n")
     assert cuda_build.compile_cubin(src, "sm_90") != first, "changed source, new cubin"
 
 
-def _cu_kernels() -> set[str]:
-    """The kernel names moe_w4a16.cu instantiates (its MOE_KERNEL lines)."""
+def _cu_kernels(sweep: bool = False) -> set[str]:
+    """The kernel names moe_w4a16.cu instantiates (its MOE_KERNEL lines): the shipped ones, or (`sweep`)
+    those only a build with MOE_SWEEP defined has."""
+    shipped, extra = SOURCE.read_text().split("#ifdef MOE_SWEEP\n")
     return {"moe_w4a16_nt{}_w{}_r{}_s{}_h{}_a{}_sc{}".format(*m.groups())
             for m in re.finditer(r"^MOE_KERNEL\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01])\)",
-                                 SOURCE.read_text(), re.M)}
+                                 extra if sweep else shipped, re.M)}
 
 
 def test_config_table_names_instantiated_kernels_that_tile_k2() -> None:
     assert _cu_kernels() == moe_configs.KERNELS
+    assert _cu_kernels(sweep=True) == {f"moe_w4a16_{k}" for k in moe_configs.SWEEP_KERNELS}
     for arch, table in moe_configs.CUDA_CONFIGS.items():
         for cls, buckets in table.items():
             inter, hidden = SHAPES[cls]
@@ -266,6 +270,10 @@ def test_real_nvcc_builds_every_listed_kernel(monkeypatch: pytest.MonkeyPatch, t
     for name in moe_configs.KERNELS:
         assert name.encode() in image
     assert b"moe_align" in image and b"moe_silu_prep" in image and b"moe_sum" in image
+    sweep = _cu_kernels(sweep=True)
+    assert sweep and not sweep & moe_configs.KERNELS and not any(n.encode() in image for n in sweep)
+    image = cuda_build.compile_cubin(SOURCE, "sm_90", (moe_cuda.SWEEP_DEFINE,)).read_bytes()
+    assert all(n.encode() in image for n in sweep | moe_configs.KERNELS), "the sweep build has both"
 
 
 def test_a_one_step_chunk_asks_for_one_ring_stage() -> None:
@@ -388,7 +396,7 @@ def test_a_call_shape_is_laid_out_once_and_wires_each_pass_to_the_next(monkeypat
         def kernel(self, name: str) -> cuda_build.Kernel:
             return kernels.setdefault(name, cuda_build.Kernel(lib, ctypes.c_void_p(1), name))
 
-    monkeypatch.setattr(moe_cuda, "_module", lambda device: Mod())
+    monkeypatch.setattr(moe_cuda, "_module", lambda device, sweep=False: Mod())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     monkeypatch.setattr(cuda_build, "current_stream", lambda index: 5)
     shard = moe_configs.H200["shard"]
