@@ -1,8 +1,10 @@
 """The kernels suite: MoE W4A16 GEMM, tree-verify MLA attention, tree build, tree accept.
 
-CUDA runs K2 shapes (impl "auto", i.e. Triton where a kernel exists, plus the torch reference at
-a few points so the speedup shows); the CPU runs k2-mini shapes on the references. Every point
-carries the bytes it must move and the flops it must do, so it reads against the run's ceilings.
+CUDA runs K2 shapes with impl "auto" (the MoE's CUDA C++ kernel where it built and its M bucket
+fits this device, else Triton; Triton for the other kernels), plus the torch reference at a few
+points so the speedup shows; the CPU runs k2-mini shapes on the references. Every point carries the
+bytes it must move and the flops it must do, so it reads against the run's ceilings; the MoE points
+on CUDA also carry host_us, the host's time of one eager call.
 """
 
 from __future__ import annotations

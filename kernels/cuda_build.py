@@ -6,7 +6,10 @@ is cached by the hash of (source, nvcc version, arch, flags), like Triton's cach
 `engine.build` compiles once and the benches load it. Launches go through the driver API on
 torch's current stream, so they are captured by CUDA graphs like any other kernel; a launch may ask
 for programmatic dependent launch (sm_90 on), so that its CTAs start while the kernel before it drains
-(the kernel then waits for that one's results with griddepcontrol.wait).
+(the kernel then waits for that one's results with griddepcontrol.wait). A `Launch` is set up once
+(config struct, argument buffer), so an eager call pays the driver's launch and little else. The
+driver also answers what a device allows (`device_attribute`) and what a kernel needs
+(`Kernel.attribute`), which the MoE's config check reads.
 
 A host without nvcc (or with one that fails) gets `CudaUnavailable` with the reason; the callers
 then run the Triton kernel and say so (build.json, the impl column).

@@ -1,8 +1,10 @@
-"""The CUDA C++ MoE's host side: finding nvcc, building and caching the cubin, the config table.
+"""The CUDA C++ MoE's host side: finding nvcc, building and caching the cubin, the configs, the launches.
 
-The kernel itself runs only on a GPU (kernels/gpu_check.py and engine.build check it there against
-the reference); here: what a host without nvcc, or with a broken one, is told, and that the table
-only names kernels the source instantiates, at shapes they tile.
+The kernel itself runs only on a GPU (engine.build checks it there against the reference at every
+bench M, engine/moe_sweep.py every candidate config); here: what a host without nvcc, or with a
+broken one, is told; that the tables only name kernels the source instantiates, at shapes they tile;
+how the limit check and the fallback choose on sm_90, sm_120 and an unknown arch (the driver's
+answers faked); and how a call shape's launches are laid out.
 """
 
 from __future__ import annotations
