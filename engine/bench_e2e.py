@@ -46,7 +46,7 @@ from engine import comm_model, footprint, gpu_busy
 from engine import tp as tpar
 from engine.comm_model import CommModel
 from engine.config import ModelConfig, make_config
-from engine.decode import PREFILL_TOKENS, STAGES, DecodeResult, Decoder, Prefilled, cache_rows, chunk_len
+from engine.decode import PREFILL_TOKENS, STAGES, DecodeResult, Decoder, Prefilled, cache_rows
 from engine.drafter import BlockDrafter
 from engine.model import PLANT_GAIN, TargetModel, hot_vocab
 from engine.timing import percentile
@@ -288,7 +288,7 @@ class E2EBench:
         m, prompts = dec.model, prompts or self.prompts[:conc]
         max_new = max_new or self.p.max_new
         rows = cache_rows(prompts, max_new, budget, m.cfg.draft_len)
-        need = self.need(dec, prompts, rows, budget)
+        need = footprint.point_need(dec, prompts, rows, budget)
         row = {"config": m.cfg.name, "layers": layers, "tp": tp,
                "weight_sets": min(m.weight_sets, layers - min(m.cfg.dense_layers, layers)),
                "vocab": m.cfg.vocab, "comm_source": "modelled" if tp > 1 else "none",
@@ -313,16 +313,6 @@ class E2EBench:
         comm_s = self.comm.forward_ms(conc * (budget + 1), m.cfg.hidden, layers, tp) / 1e3
         return {**row, "status": "ok", **summarise(res, comm_s),
                 **self.kernel_split(dec, prompts, max_new, budget, level, res, start)}
-
-    def need(self, dec: Decoder, prompts: list[list[int]], rows: int, budget: int) -> footprint.Need:
-        """The point's device bytes: weights held, its cache at `rows`, the larger of a prefill
-        chunk's and a verify's working set."""
-        m, bt = dec.model, len(prompts)
-        el = torch.finfo(m.dtype).bits // 8
-        chunk = min(max(map(len, prompts)), chunk_len(bt, dec.prefill_tokens))
-        scores = self.dev.type != "cuda"
-        work = max(footprint.forward_bytes(m.cfg, m.tp, bt, t, rows, el, scores) for t in (chunk, budget + 1))
-        return footprint.Need(footprint.tensors_bytes(m, dec.drafter), footprint.cache_bytes(m.cfg, bt, rows, el), work)
 
     def kernel_split(self, dec: Decoder, prompts: list[list[int]], max_new: int, budget: int, level: float,
                      res: DecodeResult, start: Prefilled) -> Row:

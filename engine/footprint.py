@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from engine.config import ModelConfig
+from engine.decode import Decoder, chunk_len
 
 # Query rows x splits the Triton MLA kernel's split partials cover at most (kernels.mla_verify
 # plans ~2 waves of programs; an estimate need not import Triton).
@@ -105,3 +106,14 @@ def free_bytes(device: torch.device) -> int:
     except (OSError, ValueError, IndexError):
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def point_need(dec: Decoder, prompts: list[list[int]], rows: int, budget: int) -> Need:
+    """An e2e point's bytes: the weights its model and drafter hold, its cache at `rows`, and the
+    larger of a prefill chunk's and a verify's working set."""
+    m, bt = dec.model, len(prompts)
+    el = torch.finfo(m.dtype).bits // 8
+    chunk = min(max(map(len, prompts)), chunk_len(bt, dec.prefill_tokens))
+    scores = m.device.type != "cuda"
+    work = max(forward_bytes(m.cfg, m.tp, bt, t, rows, el, scores) for t in (chunk, budget + 1))
+    return Need(tensors_bytes(m, dec.drafter), cache_bytes(m.cfg, bt, rows, el), work)

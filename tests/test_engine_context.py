@@ -1,14 +1,17 @@
 """The e2e suite's context axis on the CPU (k2-mini): long prompts, points that do not fit in memory
-or in the axis's time budget recorded as skipped, and the time prediction behind that budget."""
+or in the axis's time budget recorded as skipped, the time prediction behind that budget, and the
+GPU preflight of the longest points run at k2-mini size."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
-from engine import bench
+from engine import bench, preflight_longctx
 from engine.bench_e2e import PROFILES, ContextAxis, E2EBench, predict_seconds
 
 CPU = torch.device("cpu")
@@ -74,3 +77,18 @@ def test_the_cli_moves_the_context_axis_with_tp_and_accept() -> None:
                      "--accept", "0.9"])
     prof = bench.e2e_profile(a, CPU)
     assert prof.tps == (1,) and prof.context.tp == 1 and prof.context.level == 0.9
+
+
+def test_the_gpu_preflight_runs_on_the_cpu_and_checks_exactness(tmp_path: Path, capsys) -> None:
+    """The lead's preflight command, at k2-mini size: every point ran, memory checked, the chunked
+    prefill gave the one-forward prefill's tokens, and each point's line says TTFT and step."""
+    rc = preflight_longctx.main(["--config", "k2-mini", "--tp", "2", "--layers", "2", "--points", "64x1,32x2",
+                                 "--exact", "40", "--prefill-tokens", "16", "--max-new", "8", "--device", "cpu",
+                                 "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    summary = json.loads((tmp_path / "preflight.json").read_text())
+    assert summary["ok"] and summary["exactness"]["ok"] and summary["exactness"]["lengths"] == [40, 30]
+    assert [(p["context"], p["concurrency"], p["status"]) for p in summary["points"]] == [(64, 1, "ok"), (32, 2, "ok")]
+    assert all(p["ttft_s"] > 0 and p["step_ms"] > 0 and p["need_gb"] > 0 for p in summary["points"])
+    assert "     64 x 1  TTFT " in out and "exactness at [40, 30] tokens: first tokens equal, greedy equal" in out
