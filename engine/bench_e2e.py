@@ -9,8 +9,9 @@ Every stage of every step is timed (CUDA events between the stages, one sync a s
 engine.decode.StageTimer); `other` is the step's wall time minus the stages.
 On CUDA the stages run as CUDA graphs after the first step (engine.decode.StepGraphs), and each
 point is decoded once more under the kernel profiler: `kernel_ms` is the GPU's busy time per step,
-`outside_ms` the rest of the measured step (Python, launches, gaps between kernels, the step's one
-sync). Every per-step and throughput figure is steady state: the eager first step, run while the
+split by kernel family into `moe_ms`, `attention_ms`, `dense_ms`, `lm_head_ms`, `tree_ms` and
+`gpu_other_ms` (engine.gpu_busy), `outside_ms` the rest of the measured step (Python, launches,
+gaps between kernels, the step's one sync). Every per-step and throughput figure is steady state: the eager first step, run while the
 graphs are made, is left out (see `summarise`). That second decode must repeat the first exactly (the same tokens and accept lengths).
 
 Tensor parallel (tp > 1): the process is rank 0 of a tp-way deployment (engine.tp) at exactly one
@@ -52,6 +53,9 @@ from engine.model import PLANT_GAIN, TargetModel, hot_vocab
 from engine.timing import percentile
 
 Row = dict[str, Any]
+# e2e column of each kernel family's GPU time per step (engine.gpu_busy.FAMILIES)
+FAMILY_COLUMNS = {"moe": "moe_ms", "attention": "attention_ms", "dense": "dense_ms", "lm_head": "lm_head_ms",
+                  "tree": "tree_ms", "other": "gpu_other_ms"}
 
 
 @dataclass(frozen=True)
@@ -316,17 +320,18 @@ class E2EBench:
 
     def kernel_split(self, dec: Decoder, prompts: list[list[int]], max_new: int, budget: int, level: float,
                      res: DecodeResult, start: Prefilled) -> Row:
-        """GPU busy time per step, from a second decode of the same point (from the same prefill,
-        rewound) under the kernel profiler (the decode is reproducible: the same steps, checked);
-        outside = the measured step minus that. The profiled run's own wall time is not used:
-        tracing slows the host side."""
+        """GPU busy time per step and its split by family, from a second decode of the same point (from
+        the same prefill, rewound) under the kernel profiler (the decode is reproducible: the same
+        steps, checked); outside = the measured step minus the busy time. The profiled run's own
+        wall time is not used: tracing and the family markers slow the host side."""
         if self.dev.type != "cuda":
             return {}
-        again, busy = gpu_busy.profiled(
+        again, split = gpu_busy.profiled(
             lambda: dec.speculative(prompts, max_new, budget, level, marks=True, start=start),
             lambda r: len(r.step_s))
         if again.tokens != res.tokens or again.accept_len != res.accept_len:
             raise RuntimeError("gpu_busy: the profiled decode differs from the measured one")
         k = eager_steps(res)
-        kernel = statistics.mean(busy[k:]) * 1e3
-        return {"kernel_ms": kernel, "outside_ms": max(statistics.mean(res.step_s[k:]) * 1e3 - kernel, 0.0)}
+        fams = {FAMILY_COLUMNS[f]: statistics.mean(w[f] for w in split[k:]) * 1e3 for f in gpu_busy.FAMILIES}
+        kernel = sum(fams.values())
+        return {"kernel_ms": kernel, "outside_ms": max(statistics.mean(res.step_s[k:]) * 1e3 - kernel, 0.0), **fams}

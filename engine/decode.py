@@ -260,7 +260,8 @@ class Decoder:
             st.lp, st.tok = dr.draft(st.feat, st.bonus, st.hints, level, st.u)
 
         def tree_build() -> None:
-            st.tree = ops.build_tree(st.lp, st.tok, st.bonus, budget, impl=m.impl)
+            with gpu_busy.section("tree"):
+                st.tree = ops.build_tree(st.lp, st.tok, st.bonus, budget, impl=m.impl)
 
         def verify() -> None:
             logits, st.hidden = m.forward(st.tree.tokens, cache.lens.unsqueeze(1) + st.tree.depths, cache,
@@ -268,7 +269,8 @@ class Decoder:
             st.target_argmax = m.pick(logits)
 
         def accept() -> None:
-            path, st.acc, bonus = ops.tree_accept(st.tree, st.target_argmax, impl=m.impl)
+            with gpu_busy.section("tree"):
+                path, st.acc, bonus = ops.tree_accept(st.tree, st.target_argmax, impl=m.impl)
             cache.compact(path, st.acc, st.active)
             last = path.gather(1, st.acc.unsqueeze(1))
             st.feat.copy_(st.hidden.gather(1, last.unsqueeze(-1).expand(-1, -1, cfg.hidden)).squeeze(1))

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine import gpu_busy
 from engine import tp as tpar
 from engine.config import ModelConfig
 from kernels import ops
@@ -282,8 +283,9 @@ class TargetModel:
         cache.ckv[li].scatter_(1, rows.unsqueeze(-1).expand(bt, t, cfg.kv_lora), ckv)
         cache.kpe[li].scatter_(1, rows.unsqueeze(-1).expand(bt, t, cfg.rope_dim), kpe)
         q_lat = torch.einsum("bthd,hdc->bthc", q_nope, lw["w_uk"])
-        o_lat = ops.mla_tree_attention(q_lat, q_pe, cache.ckv[li], cache.kpe[li], cache.lens, tree_mask,
-                                       self.sm_scale, impl=self.impl)
+        with gpu_busy.section("attention"):
+            o_lat = ops.mla_tree_attention(q_lat, q_pe, cache.ckv[li], cache.kpe[li], cache.lens, tree_mask,
+                                           self.sm_scale, impl=self.impl)
         o = torch.einsum("bthc,hvc->bthv", o_lat, lw["w_uv"])
         return F.linear(o.reshape(bt, t, self.heads * cfg.v_dim), lw["o"])
 
@@ -293,7 +295,8 @@ class TargetModel:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         ids, w = self.route(flat, lw)
-        routed = ops.moe_w4a16(flat, lw["w13_q"], lw["w13_s"], lw["w2_q"], lw["w2_s"], ids, w, impl=self.impl)
+        with gpu_busy.section("moe"):
+            routed = ops.moe_w4a16(flat, lw["w13_q"], lw["w13_s"], lw["w2_q"], lw["w2_s"], ids, w, impl=self.impl)
         return (routed + swiglu(flat, lw["sh_w13"], lw["sh_w2"])).view(shape)
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: LatentCache, tree_mask: Tensor,
@@ -313,4 +316,6 @@ class TargetModel:
             x = x + self.comm.all_reduce(self._ffn(rms_norm(x, lw["ffn_norm"], self.cfg.norm_eps), lw))
         if pick is not None:
             x = x.gather(1, pick.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
-        return F.linear(rms_norm(x, self.final_norm, self.cfg.norm_eps), self.lm_head), x
+        x_n = rms_norm(x, self.final_norm, self.cfg.norm_eps)
+        with gpu_busy.section("lm_head"):
+            return F.linear(x_n, self.lm_head), x

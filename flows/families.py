@@ -14,11 +14,13 @@ MEMORY, COMPUTE, HOST, LATENCY = "memory", "compute", "host", "latency"
 # A GPU point reaching under this share of both ceilings is bound by latency (serial steps, launches):
 # its time follows neither bandwidth nor flops.
 LATENCY_SHARE = 0.05
+# The dense GEMMs of a step (engine.costs.dense_ops), one point per op, M and TP degree.
+DENSE = "dense_gemm"
 # Kernel names as engine.bench writes them; the family names are accepted as aliases.
 ALIASES = {"mla_verify": "mla_tree_attention", "tree_build": "build_tree"}
 # The torch references of the tree kernels are Python loops on the host: GPU speed does not move them.
 HOST_SIDE = {("build_tree", "torch"), ("tree_accept", "torch")}
-POINT_KEY = ("kernel", "impl", "dtype", "M", "N", "K", "E", "top_k", "budget", "context", "batch", "tp")
+POINT_KEY = ("kernel", "impl", "dtype", "M", "N", "K", "E", "top_k", "budget", "context", "batch", "tp", "op")
 E2E_KEY = ("config", "layers", "tp", "concurrency", "budget", "context", "synthetic_accept")
 # Term of the e2e step -> kernel families whose time makes it up (verify: per layer).
 TERM_FAMILIES = {"verify_ms": ("moe_w4a16", "mla_tree_attention"), "tree_build_ms": ("build_tree",),

@@ -36,7 +36,7 @@ from engine.config import CONFIGS
 from engine.schema import provenance
 from flows import plots
 from flows.backtest import BacktestRow, goal_gap, stored_backtest
-from flows.families import e2e_key, family, host_side, label, point_key, preferred, regime, tp_of
+from flows.families import DENSE, e2e_key, family, host_side, label, point_key, preferred, regime, tp_of
 from flows.inventory import Host, Inventory, InventoryError, Spec, host_status_text
 from flows.projection import TERMS, breakdown
 from flows.reference import is_outside
@@ -488,6 +488,7 @@ class KernelsView:
     source: SourceLine | None
     table: Table | None
     roofline: str | None
+    dense: Table | None = None
 
 
 @dataclass(frozen=True)
@@ -721,7 +722,8 @@ def kernels_view(view: HostView, out_dir: Path, rel: str) -> KernelsView | None:
     if src is None:
         return None
     run = src.run
-    pts = sorted((k for k in run.rows("kernels") if family(k["kernel"]) != "moe_w4a16"), key=point_key_sort)
+    pts = sorted((k for k in run.rows("kernels") if family(k["kernel"]) not in ("moe_w4a16", DENSE)),
+                 key=point_key_sort)
     projected = view.kind == "projected"
     head = ["kernel", "impl", "batch", "budget", "context", "us", "GB/s", "TFLOP/s", "regime"]
     if projected:
@@ -752,7 +754,34 @@ def kernels_view(view: HostView, out_dir: Path, rel: str) -> KernelsView | None:
         plots.roofline(out_dir / "roofline.png", [(f, xs, ys) for f, (xs, ys) in sorted(fams.items())], roofs,
                        f"{view.name}: roofline ({view.kind})")
         plot = f"{rel}/roofline.png"
-    return KernelsView(source_line(src), Table.of(head, rows) if rows else None, plot)
+    return KernelsView(source_line(src), Table.of(head, rows) if rows else None, plot,
+                       dense_table(run.rows("kernels"), copy, mm))
+
+
+def dense_table(kern: list[dict[str, Any]], copy: float | None, mm: float | None) -> Table | None:
+    """The dense GEMMs, a row per (op, TP degree): us at each M, and the best and worst share of the
+    roofline (max(bytes / copy, flops / matmul) over the time) across M."""
+    pts = [k for k in kern if family(k["kernel"]) == DENSE and k["time_us_p50"] > 0]
+    if not pts:
+        return None
+    ms = sorted({k["M"] for k in pts})
+    rows = []
+    for (op, tp, n, k_, heads), group in sorted(_group_by(pts, lambda k: (k["op"] or "-", tp_of(k), k["N"], k["K"],
+                                                                             k["batch"] or 1)).items()):
+        at = {k["M"]: k for k in group}
+        roof = [max(k["bytes"] / (copy * 1e3), k["flops"] / (mm * 1e6)) / k["time_us_p50"] * 100
+                for k in group] if copy and mm else []
+        rows.append([md(op), str(tp), f"{n} x {k_}" + (f" x {heads} heads" if heads > 1 else "")]
+                    + [fmt(at[m]["time_us_p50"]) if m in at else "-" for m in ms]
+                    + [f"{min(roof):.0f}-{max(roof):.0f}" if roof else "-"])
+    return Table.of(["op", "tp", "N x K"] + [f"M={m} us" for m in ms] + ["roofline %"], rows)
+
+
+def _group_by(rows: list[dict[str, Any]], key: Any) -> dict[Any, list[dict[str, Any]]]:
+    out: dict[Any, list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(key(r), []).append(r)
+    return out
 
 
 def accept_view(view: HostView, run: Run, out_dir: Path, rel: str) -> AcceptView:

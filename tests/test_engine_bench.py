@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import comm_model, schema
+from engine import bench_kernels, comm_model, costs, schema
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ def test_smoke_writes_valid_tables_and_manifest(smoke_dir):
 def test_kernel_points_cover_every_op_with_costs(smoke_dir):
     out, _ = smoke_dir
     rows = schema.read_table(out / "kernels.arrow").to_pylist()
-    assert {r["kernel"] for r in rows} == {"moe_w4a16", "mla_tree_attention", "build_tree", "tree_accept"}
+    assert {r["kernel"] for r in rows} == {"moe_w4a16", "mla_tree_attention", "build_tree", "tree_accept", "dense_gemm"}
     for r in rows:
         assert r["bytes"] > 0 and r["flops"] > 0 and r["repeats"] > 0
         assert r["time_us_p10"] <= r["time_us_p50"] <= r["time_us_p90"]
@@ -77,6 +77,17 @@ def test_kernel_points_cover_every_op_with_costs(smoke_dir):
         assert 1 <= r["unique_experts"] <= min(r["E"], r["M"] * r["top_k"])
         e, k, m = r["E"], r["top_k"], r["M"]
         assert r["expected_experts"] == pytest.approx(e * (1 - (1 - k / e) ** m))
+    # every dense op of a step at each profiled TP degree, at each M, with its own bytes and flops
+    dense: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["kernel"] == "dense_gemm":
+            dense.setdefault((r["N"], r["K"], r["batch"], r["dtype"], r["M"]), []).append(r)
+    prof = bench_kernels.PROFILES[("cpu", "smoke")]
+    for tp in prof.dense_tp:
+        for op in costs.dense_ops(prof.cfg, tp):
+            for m in prof.dense_m:  # a replicated op is timed once, at the lowest degree
+                assert any((r["bytes"], r["flops"]) == costs.dense_op_cost(op, m, 4) and r["tp"] <= tp
+                           for r in dense[(op.n, op.k, op.heads, "float32", m)])
 
 
 def test_e2e_rows_split_each_step(smoke_dir):
