@@ -161,19 +161,18 @@ class Decoder:
             raise ValueError(f"prefill: capacity {capacity} is below the longest prompt ({t} tokens)")
         cache = LatentCache.empty(m.cfg, bt, capacity, dev, m.dtype)
         c = min(t, chunk_len(bt, self.prefill_tokens))
-        causal = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
         tok = torch.zeros(bt, t, dtype=torch.int64)
         for b, p in enumerate(prompts):
             tok[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
         lens_cpu = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
         if warm:
-            self._chunk(tok[:, :c].to(dev), lens_cpu.to(dev), 0, cache, causal)
+            self._chunk(tok[:, :c].to(dev), lens_cpu.to(dev), 0, cache)
             cache.lens.zero_()
         clock = Clock(dev)
         tok, lens = tok.to(dev), lens_cpu.to(dev)
         last = None
         for s0 in range(0, t, c):
-            logits, hidden = self._chunk(tok[:, s0:s0 + c], lens, s0, cache, causal)
+            logits, hidden = self._chunk(tok[:, s0:s0 + c], lens, s0, cache)
             if last is None:
                 last = logits, hidden
             else:  # sequences whose last prompt token is at or past s0: the chunk holding it writes last
@@ -183,15 +182,14 @@ class Decoder:
         bonus, feat = m.pick(last[0][:, 0]), last[1][:, 0]
         return Prefilled(cache, bonus, feat, lens, [clock.lap()] * bt)
 
-    def _chunk(self, tok: Tensor, lens: Tensor, s0: int, cache: LatentCache,
-               causal: Tensor) -> tuple[Tensor, Tensor]:
-        """One prefill forward: tok [Bt, n] at positions s0.. over the cache rows before them; the
-        logits and hidden of each sequence's last prompt token where the chunk holds it (else of
-        a row the caller discards)."""
+    def _chunk(self, tok: Tensor, lens: Tensor, s0: int, cache: LatentCache) -> tuple[Tensor, Tensor]:
+        """One prefill forward: tok [Bt, n] at positions s0.. over the cache rows before them, causal
+        among themselves; the logits and hidden of each sequence's last prompt token where the chunk
+        holds it (else of a row the caller discards)."""
         bt, n = tok.shape
         pos = torch.arange(s0, s0 + n, device=tok.device).expand(bt, n)
         pick = (lens - 1 - s0).clamp(0, n - 1)
-        out = self.model.forward(tok, pos, cache, causal[:n, :n].expand(bt, n, n), pick=pick)
+        out = self.model.forward(tok, pos, cache, None, pick=pick)
         cache.lens += n
         return out
 
