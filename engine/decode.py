@@ -152,8 +152,9 @@ class Decoder:
         earlier (real) tokens, so padding changes no real row; the padded rows land past each
         sequence's length, where the first decode or verify overwrites them. Each sequence's
         first token and hidden state come from the chunk holding its last prompt token.
-        warm: run the first chunk once, untimed, before the timed prefill (its kernels compile and
-        tune there, as a server's would be before its first request); the timed pass rewrites its rows.
+        warm: run a chunk of each length the prefill uses once, untimed, before the timed prefill (its
+        kernels compile and tune there, as a server's would before its first request; Triton builds
+        a variant per divisibility of the lengths); the timed pass rewrites those rows.
         """
         m, dev = self.model, self.device
         bt, t = len(prompts), max(map(len, prompts))
@@ -165,9 +166,10 @@ class Decoder:
         for b, p in enumerate(prompts):
             tok[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
         lens_cpu = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-        if warm:
-            self._chunk(tok[:, :c].to(dev), lens_cpu.to(dev), 0, cache)
-            cache.lens.zero_()
+        if warm:  # each chunk length the prompts split into (the last may be shorter)
+            for n in sorted({c, t - (t - 1) // c * c}):
+                self._chunk(tok[:, :n].to(dev), lens_cpu.to(dev), 0, cache)
+                cache.lens.zero_()
         clock = Clock(dev)
         tok, lens = tok.to(dev), lens_cpu.to(dev)
         last = None

@@ -90,6 +90,19 @@ def test_chunked_prefill_decodes_like_one_forward_over_the_prompt(setup, monkeyp
     assert chunked.speculative(prompts, MAX_NEW, 16, 0.9).tokens == ref.tokens
 
 
+def test_a_warm_prefill_first_runs_each_chunk_length_once(setup, monkeypatch):
+    """Kernels build a variant per chunk length (Triton per divisibility), so the untimed warm-up
+    runs the full and the last, shorter chunk before the timed pass; the result is unchanged."""
+    dec, prompts, ref = setup
+    chunked = Decoder(dec.model, dec.drafter, prefill_tokens=4 * 7)
+    seen = []
+    forward = chunked.model.forward
+    monkeypatch.setattr(chunked.model, "forward", lambda tok, *a, **k: seen.append(tok.shape[1]) or forward(tok, *a, **k))
+    pre = chunked.prefill(prompts, 40, warm=True)
+    assert seen == [2, 7] + [7, 7, 7, 7, 2]
+    assert pre.bonus.tolist() == [t[0] for t in ref.tokens] and pre.ttft_s[0] > 0
+
+
 def test_one_prefill_serves_several_decodes(setup):
     """A decode from a prefill rewinds it first: twice from one prefill repeats the decode of a
     fresh prefill step for step; a prefill too small for the decode is refused."""
