@@ -1,8 +1,12 @@
-"""The kernels suite: MoE W4A16 GEMM, tree-verify MLA attention, tree build, tree accept.
+"""The kernels suite: MoE W4A16 GEMM, tree-verify MLA attention, tree build, tree accept, and the
+dense GEMMs of a step (engine.costs.dense_ops: attention projections, absorbed MLA einsums, router
+gate, shared expert, dense layer, lm-head, drafter), at full shapes and one TP rank's shards.
 
-CUDA runs K2 shapes (impl "auto", i.e. Triton where a kernel exists, plus the torch reference at
-a few points so the speedup shows); the CPU runs k2-mini shapes on the references. Every point
-carries the bytes it must move and the flops it must do, so it reads against the run's ceilings.
+CUDA runs K2 shapes with impl "auto" (the MoE's CUDA C++ kernel where it built and its M bucket
+fits this device, else Triton; Triton for the other kernels), plus the torch reference at a few
+points so the speedup shows; the CPU runs k2-mini shapes on the references. Every point carries the
+bytes it must move and the flops it must do, so it reads against the run's ceilings; the MoE points
+on CUDA also carry host_us, the host's time of one eager call.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from typing import Any, Callable
 import torch
 
 from engine.config import K2, K2_MINI, ModelConfig
-from engine.costs import build_tree_cost, expected_experts, mla_cost, moe_cost, tree_accept_cost
+from engine.costs import (DenseOp, build_tree_cost, dense_op_cost, dense_ops, expected_experts, mla_cost, moe_cost,
+                          tree_accept_cost)
 from engine.model import Init
-from engine.timing import Timing, time_op
+from engine.timing import Timing, host_us, time_op
 from kernels import ops, reference
 
 Row = dict[str, Any]
@@ -30,25 +35,29 @@ class KernelProfile:
     attn: tuple[tuple[int, int, int], ...]  # (batch, budget, context)
     attn_torch: tuple[tuple[int, int, int], ...]
     tree: tuple[tuple[int, int], ...]  # (batch, budget)
+    dense_m: tuple[int, ...]  # M of every dense op (engine.costs.dense_ops) ...
+    dense_tp: tuple[int, ...]  # ... at these TP degrees (a replicated op's shape is timed once, at the lowest)
     repeats: int
     torch_repeats: int
 
 
 PROFILES: dict[tuple[str, str], KernelProfile] = {
     ("cuda", "full"): KernelProfile(
-        K2, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), (1, 32), (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+        K2, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), (1, 32),
+        (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
         tuple((b, n, c) for b in (1, 8) for n in (16, 64, 256, 1024) for c in (1024, 8192, 32768, 65536)),
         ((1, 64, 8192), (8, 64, 8192), (1, 256, 8192)),
-        tuple((b, n) for b in (1, 16) for n in (16, 64, 256, 1024)), repeats=50, torch_repeats=5),
+        tuple((b, n) for b in (1, 16) for n in (16, 64, 256, 1024)), (1, 16, 64, 256, 1024, 4096), (1, 8),
+        repeats=50, torch_repeats=5),
     ("cuda", "smoke"): KernelProfile(
         K2, (1, 16, 128), (16,), (1, 128), ((1, 16, 4096), (1, 256, 4096)), ((1, 64, 4096),),
-        ((1, 64), (16, 256)), repeats=10, torch_repeats=3),
+        ((1, 64), (16, 256)), (1, 256), (1, 8), repeats=10, torch_repeats=3),
     ("cpu", "full"): KernelProfile(
         K2_MINI, (1, 2, 4, 8, 16, 32, 64, 128), (), (),
         tuple((b, n, c) for b in (1, 4) for n in (16, 64, 256) for c in (256, 1024)), (),
-        tuple((b, n) for b in (1, 8) for n in (16, 64, 256)), repeats=10, torch_repeats=3),
+        tuple((b, n) for b in (1, 8) for n in (16, 64, 256)), (1, 16, 64), (1, 2), repeats=10, torch_repeats=3),
     ("cpu", "smoke"): KernelProfile(
-        K2_MINI, (1, 8, 32), (), (), ((1, 16, 128), (2, 64, 256)), (), ((1, 16), (4, 64)),
+        K2_MINI, (1, 8, 32), (), (), ((1, 16, 128), (2, 64, 256)), (), ((1, 16), (4, 64)), (1, 16), (1, 2),
         repeats=5, torch_repeats=3),
 }
 
@@ -102,7 +111,39 @@ class KernelBench:
             pts.append((f"build_tree Bt={b} B={n}", lambda b=b, n=n: self.tree_build(b, n)))
         for b, n in p.tree:
             pts.append((f"tree_accept Bt={b} B={n}", lambda b=b, n=n: self.tree_accept(b, n)))
+        for tp, op in self.dense_shapes():
+            pts += [(f"dense_gemm {op.name} M={m} tp={tp}", lambda tp=tp, op=op, m=m: self.dense(op, m, tp))
+                    for m in p.dense_m]
         return pts
+
+    # ------------------------------------------------------------------ dense GEMMs
+    def dense_shapes(self) -> list[tuple[int, DenseOp]]:
+        """(tp, op) for every distinct dense op of the profile's TP degrees: a replicated op (the same
+        shape at every degree) is timed once, at the lowest degree."""
+        seen, out = set(), []
+        for tp in self.p.dense_tp:
+            for op in dense_ops(self.p.cfg, tp):
+                if op not in seen:
+                    seen.add(op)
+                    out.append((tp, op))
+        return out
+
+    def dense(self, op: DenseOp, m: int, tp: int) -> Row:
+        """One op as the model runs it: F.linear, or the absorbed MLA einsum a head at a time."""
+        dtype = torch.float32 if op.dtype == "float32" else self.dtype
+        if op.heads > 1:  # w_uk: [h, k, n] as engine.model keeps it; w_uv: [h, n, k]
+            w = self.ini.normal(op.heads, *((op.k, op.n) if op.name == "w_uk" else (op.n, op.k)), std=op.k ** -0.5)
+            x = self.ini.normal(m, op.heads, op.k, std=1.0)
+            spec = "thd,hdc->thc" if op.name == "w_uk" else "thc,hvc->thv"
+            fn = lambda: torch.einsum(spec, x, w)  # noqa: E731
+        else:
+            w = self.ini.linear(op.n, op.k).to(dtype)
+            x = self.ini.normal(m, op.k, std=1.0).to(dtype)
+            fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+        t = time_op(fn, self.dev, self.p.repeats)
+        return {"kernel": "dense_gemm", "op": op.name, "impl": "torch", "dtype": str(dtype).removeprefix("torch."),
+                "device": self.dev.type, "M": m, "N": op.n, "K": op.k, "batch": op.heads, "tp": tp,
+                **_timing_cols(t, *dense_op_cost(op, m, x.element_size()))}
 
     # ------------------------------------------------------------------ MoE
     def moe_weights(self, tp: int = 1) -> tuple[torch.Tensor, ...]:
@@ -129,14 +170,16 @@ class KernelBench:
         w = self.moe_weights(tp)
         x, ids, tw = self.moe_inputs(m)
         reps = self.p.repeats if impl == "auto" else self.p.torch_repeats
-        t = time_op(lambda: ops.moe_w4a16(x, *w, ids, tw, impl=impl), self.dev, reps)
+        call = lambda: ops.moe_w4a16(x, *w, ids, tw, impl=impl)  # noqa: E731
+        t = time_op(call, self.dev, reps)
+        host = host_us(call, self.dev) if self.dev.type == "cuda" and impl == "auto" else None
         h, i, e, k = c.hidden, c.moe_inter // tp, c.experts, c.top_k
         unique = int(ids.unique().numel())
         nbytes, flops = moe_cost(c, m, unique, x.element_size(), tp)
         return {"kernel": "moe_w4a16", "impl": ops.moe_impl(x, w[0], w[2], impl),
                 "dtype": str(self.dtype).removeprefix("torch."), "device": self.dev.type,
                 "M": m, "N": 2 * i, "K": h, "E": e, "top_k": k, "tp": tp, "unique_experts": unique,
-                "expected_experts": expected_experts(e, k, m),
+                "expected_experts": expected_experts(e, k, m), "host_us": host,
                 **_timing_cols(t, nbytes, flops)}
 
     # ------------------------------------------------------------------ trees

@@ -8,6 +8,8 @@ no torch, so the controller imports it without a device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 from engine.config import ModelConfig
 
 BF16 = 2
@@ -50,22 +52,63 @@ def tree_accept_cost(cfg: ModelConfig, batch: int, budget: int) -> tuple[float, 
     return float(batch * n * 8 * 3 + batch * (cfg.draft_len + 3) * 8), float(batch * n)
 
 
-def attention_weight_bytes(cfg: ModelConfig, tp: int = 1) -> float:
-    """bf16 MLA projections of one layer (q_a, q_b, kv_a, kv_b, o); q_a and kv_a are replicated."""
-    h, hh = cfg.hidden, cfg.heads / tp
-    q_a = h * cfg.q_lora
-    q_b = cfg.q_lora * hh * cfg.qk_dim
-    kv_a = h * (cfg.kv_lora + cfg.rope_dim)
-    kv_b = cfg.kv_lora * hh * (cfg.nope_dim + cfg.v_dim)
-    o = hh * cfg.v_dim * h
-    return BF16 * (q_a + q_b + kv_a + kv_b + o)
-
-
 def dense_step_bytes(cfg: ModelConfig, layers: int, vocab: int | None = None, tp: int = 1) -> float:
     """bf16 weights a verify forward streams besides the routed experts: attention projections of every
     layer, the dense FFN of the first layers, the shared experts of the rest, and the lm-head."""
     dense = min(cfg.dense_layers, layers)
-    moe = layers - dense
-    ffn = dense * 3 * cfg.hidden * cfg.dense_inter / tp + moe * cfg.shared_experts * 3 * cfg.hidden * cfg.moe_inter / tp
-    head = (vocab or cfg.vocab) / tp * cfg.hidden
-    return layers * attention_weight_bytes(cfg, tp) + BF16 * (ffn + head)
+    times = {"layer": layers, "dense_layer": dense, "moe_layer": layers - dense, "step": 1}
+    ops = dense_ops(replace(cfg, vocab=vocab or cfg.vocab), tp)
+    return sum(times[op.per] * dense_op_cost(op, 0)[0] for op in ops if op.rows == "verify" and op.dtype != "float32")
+
+
+@dataclass(frozen=True)
+class DenseOp:
+    """One dense GEMM of a DDTree step: [M, k] x [k -> n] for each of `heads` heads (the absorbed MLA
+    einsums are one GEMM a head), `per` says how often a step runs it, `rows` which M it sees."""
+
+    name: str
+    n: int
+    k: int
+    heads: int = 1
+    dtype: str = "bfloat16"
+    per: str = "layer"      # layer | moe_layer | dense_layer | step
+    rows: str = "verify"    # verify: C (B + 1) | draft: C (L + 1) | draft_head: C L | sequences: C
+
+
+def dense_ops(cfg: ModelConfig, tp: int = 1) -> list[DenseOp]:
+    """Every GEMM a step runs outside the routed experts and the attention kernel, at one rank of TP-tp
+    (engine.model and engine.drafter: q_a, kv_a and the router gate are replicated, the drafter runs
+    whole on every rank)."""
+    h, hh = cfg.hidden, cfg.heads // tp
+    si = cfg.moe_inter * cfg.shared_experts // tp
+    nd = cfg.draft_heads * cfg.draft_head_dim
+    return [
+        DenseOp("q_a", cfg.q_lora, h), DenseOp("q_b", hh * cfg.qk_dim, cfg.q_lora),
+        DenseOp("kv_a", cfg.kv_lora + cfg.rope_dim, h),
+        DenseOp("w_uk", cfg.kv_lora, cfg.nope_dim, heads=hh), DenseOp("w_uv", cfg.v_dim, cfg.kv_lora, heads=hh),
+        DenseOp("o", h, hh * cfg.v_dim),
+        DenseOp("gate", cfg.experts, h, dtype="float32", per="moe_layer"),
+        DenseOp("shared_w13", 2 * si, h, per="moe_layer"), DenseOp("shared_w2", h, si, per="moe_layer"),
+        DenseOp("dense_w13", 2 * cfg.dense_inter // tp, h, per="dense_layer"),
+        DenseOp("dense_w2", h, cfg.dense_inter // tp, per="dense_layer"),
+        DenseOp("lm_head", cfg.vocab // tp, h, per="step"),
+        DenseOp("draft_fc", h, h, per="step", rows="sequences"),
+        DenseOp("draft_qkv", 3 * nd, h, per="step", rows="draft"), DenseOp("draft_o", h, nd, per="step", rows="draft"),
+        DenseOp("draft_w13", 2 * cfg.draft_inter, h, per="step", rows="draft"),
+        DenseOp("draft_w2", h, cfg.draft_inter, per="step", rows="draft"),
+        DenseOp("draft_head", cfg.vocab, h, per="step", rows="draft_head"),
+    ]
+
+
+def dense_op_rows(op: DenseOp, cfg: ModelConfig, concurrency: int, budget: int) -> int:
+    """M of one op in a step of C sequences with a B-node tree."""
+    return {"verify": concurrency * (budget + 1), "draft": concurrency * (cfg.draft_len + 1),
+            "draft_head": concurrency * cfg.draft_len, "sequences": concurrency}[op.rows]
+
+
+def dense_op_cost(op: DenseOp, m: int, el: int | None = None) -> tuple[float, float]:
+    """(bytes, flops) of one op at M rows: its weights, the activations in and out, once each
+    (`el` bytes an element; default: the op's dtype)."""
+    el = el or (4 if op.dtype == "float32" else BF16)
+    nbytes = op.heads * (op.n * op.k + m * (op.n + op.k)) * el
+    return float(nbytes), 2.0 * m * op.n * op.k * op.heads

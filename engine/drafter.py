@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine import gpu_busy
 from engine.config import ModelConfig
 from engine.model import Init, TargetModel, rms_norm, swiglu
 
@@ -53,11 +54,15 @@ class BlockDrafter:
         x[:, 0] += tg.embed[bonus] + F.linear(feat, self.fc)
         hn = rms_norm(x, self.norm1, cfg.norm_eps)
         q, k, v = F.linear(hn, self.qkv).view(bt, -1, 3, cfg.draft_heads, cfg.draft_head_dim).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           scale=1.0 / math.sqrt(cfg.draft_head_dim))
+        with gpu_busy.section("attention"):
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               scale=1.0 / math.sqrt(cfg.draft_head_dim))
         x = x + F.linear(a.transpose(1, 2).reshape(bt, -1, cfg.draft_heads * cfg.draft_head_dim), self.o)
         x = x + swiglu(rms_norm(x, self.norm2, cfg.norm_eps), self.w13, self.w2)
-        return F.linear(rms_norm(x[:, 1:], tg.final_norm, cfg.norm_eps), tg.draft_head).float()
+        x_n = rms_norm(x[:, 1:], tg.final_norm, cfg.norm_eps)
+        with gpu_busy.section("lm_head"):
+            logits = F.linear(x_n, tg.draft_head)
+        return logits.float()
 
     def noise(self, hints: Tensor) -> Tensor:
         """Uniform draws for steer's ranks, one per hint (drawn outside any captured graph)."""

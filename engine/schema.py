@@ -53,6 +53,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "kernels": pa.schema([
         _f("run_id", _s, False), _f("kernel", _s, False), _f("impl", _s, False),
         _f("dtype", _s, False), _f("device", _s, False),
+        _f("op", _s),  # dense_gemm: which op of a step it times (engine.costs.dense_ops); null elsewhere
         _f("M", _i), _f("N", _i), _f("K", _i), _f("E", _i), _f("top_k", _i),
         _f("tp", _i),  # 1 for full shapes, N for the shapes one rank of a TP-N deployment runs
         _f("unique_experts", _i), _f("expected_experts", _d),
@@ -314,10 +315,10 @@ def _text(meta: dict[bytes, bytes], key: bytes, label: str) -> str:
 
 
 # Columns added after version 2, per table, and the value an older file means by leaving them out
-# (version 3: tp, weight_sets, vocab, comm_source; version 4: host_us, context, status, skip_reason,
-# memory_bytes and the per-family split of kernel_ms). A row built without them gets the same value.
+# (version 3: tp, weight_sets, vocab, comm_source; version 4: kernels' op and host_us, e2e's context,
+# status, skip_reason, memory_bytes and the per-family split of kernel_ms). A row built without them gets the same value.
 _ADDED: dict[str, dict[str, Any]] = {
-    "kernels": {"tp": 1, "host_us": None},
+    "kernels": {"tp": 1, "host_us": None, "op": None},
     "e2e": {"tp": 1, "weight_sets": 1, "vocab": None, "comm_source": None, "context": None, "status": "ok",
             "skip_reason": None, "memory_bytes": None, "moe_ms": None, "attention_ms": None, "dense_ms": None,
             "lm_head_ms": None, "tree_ms": None, "gpu_other_ms": None},

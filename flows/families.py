@@ -14,18 +14,20 @@ MEMORY, COMPUTE, HOST, LATENCY = "memory", "compute", "host", "latency"
 # A GPU point reaching under this share of both ceilings is bound by latency (serial steps, launches):
 # its time follows neither bandwidth nor flops.
 LATENCY_SHARE = 0.05
+# The dense GEMMs of a step (engine.costs.dense_ops), one point per op, M and TP degree.
+DENSE = "dense_gemm"
 # Kernel names as engine.bench writes them; the issue's family names are accepted as aliases.
 ALIASES = {"mla_verify": "mla_tree_attention", "tree_build": "build_tree"}
 # The torch references of the tree kernels are Python loops on the host: GPU speed does not move them.
 HOST_SIDE = {("build_tree", "torch"), ("tree_accept", "torch")}
-POINT_KEY = ("kernel", "impl", "dtype", "M", "N", "K", "E", "top_k", "budget", "context", "batch", "tp")
+POINT_KEY = ("kernel", "impl", "dtype", "M", "N", "K", "E", "top_k", "budget", "context", "batch", "tp", "op")
 E2E_KEY = ("config", "layers", "tp", "concurrency", "budget", "context", "synthetic_accept")
 # Term of the e2e step -> kernel families whose time makes it up (verify: per layer).
 TERM_FAMILIES = {"verify_ms": ("moe_w4a16", "mla_tree_attention"), "tree_build_ms": ("build_tree",),
                  "accept_ms": ("tree_accept",)}
 # The size axis of each family: what the size backtest holds out.
 SIZE_AXIS = {"moe_w4a16": "M", "mla_tree_attention": "context", "build_tree": "budget", "tree_accept": "budget"}
-E2E_CONTEXT = 512   # typical context of an e2e step (prompts of 256-512 tokens plus the new ones)
+E2E_CONTEXT = 512   # context of a short-prompt e2e step (prompts of 256-512 tokens plus the new ones)
 
 Row = Mapping[str, Any]
 
@@ -74,10 +76,12 @@ def e2e_key(row: Row, without: tuple[str, ...] = ()) -> tuple:
 
 
 def step_shapes(e2e: Row) -> dict[str, dict[str, float]]:
-    """The kernel shape each family runs at in one step of an e2e point."""
+    """The kernel shape each family runs at in one step of an e2e point (attention over the row's
+    prompt length where that is longer than a short-prompt step's context: the context axis)."""
     conc, budget = e2e["concurrency"], e2e["budget"]
+    context = max(e2e.get("context") or 0, E2E_CONTEXT)
     return {"moe_w4a16": {"M": conc * (budget + 1)},
-            "mla_tree_attention": {"batch": conc, "budget": budget, "context": E2E_CONTEXT},
+            "mla_tree_attention": {"batch": conc, "budget": budget, "context": context},
             "build_tree": {"batch": conc, "budget": budget}, "tree_accept": {"batch": conc, "budget": budget}}
 
 

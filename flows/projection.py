@@ -38,6 +38,8 @@ LAUNCH_FLOOR_US = 3.0
 DEFAULT_ALPHA_US = {"nvlink": 8.0, "pcie": 15.0}
 DEFAULT_LINK_EFF = (0.6, 0.75, 0.9)   # low, central, high fraction of the link's spec bandwidth
 ALLREDUCES_PER_LAYER = 2              # after attention and after the MoE
+# The reference's skipped e2e points named in the assumptions (each reason cut): a bounded provenance.
+NOT_MEASURED_LISTED, SKIP_REASON_CHARS = 20, 300
 
 
 class ProjectionError(Exception):
@@ -441,6 +443,7 @@ class _Parts:
     ref_c: Ceilings
     tgt_c: Ceilings
     skipped_e2e: int
+    not_measured: list[dict[str, Any]]   # the reference's skipped e2e points: nothing to carry
 
 
 def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str) -> _Parts:
@@ -455,9 +458,12 @@ def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str) -> _Parts
     comm = comm_model(comm_rows, ref, target)
     at_ref = comm_model(comm_rows, ref, ref)
     e2e = [r for r in rows_of(tables, "e2e") if r["source"] == "measured"]
-    eproj, how = project_e2e(e2e, kern, kproj, at_ref, comm, target, run_id, ref_run_id)
+    ok = [r for r in e2e if r["status"] == "ok"]
+    eproj, how = project_e2e(ok, kern, kproj, at_ref, comm, target, run_id, ref_run_id)
+    skipped = [{"tp": tp_of(r), **{k: r[k] for k in ("concurrency", "budget", "context", "synthetic_accept")},
+                "reason": (r["skip_reason"] or "-")[:SKIP_REASON_CHARS]} for r in e2e if r["status"] != "ok"]
     return _Parts(run_id, kern, kproj, eproj, how, comm, ref_c, tgt_c,
-                  sum(1 for r in e2e if not has_split(r)))
+                  sum(1 for r in ok if not has_split(r)), skipped)
 
 
 def project(tables: Tables, ref: Machine, target: Machine,
@@ -545,5 +551,8 @@ def assumption_records(ref: Machine, target: Machine, ref_run_id: str, p: _Parts
                      "allreduces_per_layer": ALLREDUCES_PER_LAYER})
     if p.skipped_e2e:
         recs.append({"what": "e2e_without_split", "rows": p.skipped_e2e})
+    if p.not_measured:
+        recs.append({"what": "e2e_not_measured", "count": len(p.not_measured),
+                     "points": p.not_measured[:NOT_MEASURED_LISTED]})
     recs.append({"what": "band", "references": refs})
     return recs

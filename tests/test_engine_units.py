@@ -9,7 +9,7 @@ import torch
 from engine.costs import expected_experts
 from engine.config import K2, make_config
 from engine.env import UsageError, check_arch, pick_device
-from engine.timing import flush_l2, percentile, time_op
+from engine.timing import flush_l2, host_us, percentile, time_op
 
 
 def test_k2_config_has_kimi_k2_per_layer_dims():
@@ -39,6 +39,18 @@ def test_time_op_on_cpu_counts_repeats():
     t = time_op(lambda: calls.append(1), torch.device("cpu"), repeats=7, warmup=2)
     assert len(calls) == 9 and t.repeats == 7 and not t.graph
     assert 0 <= t.p10_us <= t.p50_us <= t.p90_us
+
+
+def test_host_us_times_calls_back_to_back_per_call(monkeypatch: pytest.MonkeyPatch):
+    """The median round's time over its calls: rounds of back-to-back calls after the warm-up."""
+    import engine.timing as timing
+
+    clock = iter(range(0, 10_000, 1))  # perf_counter advances 1 s a reading
+    calls = []
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(clock)))
+    us = host_us(lambda: calls.append(1), torch.device("cpu"), calls=4, rounds=3, warmup=2)
+    assert len(calls) == 2 + 4 * 3
+    assert us == pytest.approx(1e6 / 4), "one second a round of four calls"
 
 
 def test_the_l2_flush_only_reads_its_buffer():
@@ -83,6 +95,58 @@ def test_busy_windows_union_kernels_between_marks():
     ]
     got = busy_per_window(reversed(acts))  # input order does not matter
     assert got == pytest.approx([0.004, 0.001])
+
+
+def test_busy_split_by_family_sections_and_gemm_names():
+    from engine.gpu_busy import MARK, SECTION_MARK, split_per_window
+
+    ms = 1_000_000  # ns; kernels of one stream run one after another, markers between them
+    sec = lambda f, t: (f"{SECTION_MARK}{f}", t - 10, t - 9)  # noqa: E731
+    acts = [
+        (f"at::cuda::{MARK}(long)", 0, 1),
+        ("nvjet_tst_128x64_64x8_bz_TNT", 1 * ms, 2 * ms),           # a GEMM outside any section: dense
+        sec("attention", 3 * ms), ("_mla_split", 3 * ms, 5 * ms), ("_mla_combine", 5 * ms, 6 * ms),
+        sec("attention", 6 * ms),
+        ("triton_poi_fused_rms_norm", 6 * ms, 7 * ms),              # neither a section nor a GEMM: other
+        sec("moe", 7 * ms), ("moe_align", 7 * ms, 8 * ms), ("vectorized_elementwise_kernel", 8 * ms, 9 * ms),
+        ("sm90_xmma_gemm_bf16bf16", 8 * ms + 5, 10 * ms),          # in a section: its family, whatever its name;
+        sec("moe", 10 * ms + 20),                                  # overlapping: only its part past 9 ms counts
+        sec("lm_head", 11 * ms), ("cutlass_80_tensorop_gemm", 11 * ms, 13 * ms), sec("lm_head", 13 * ms),
+        sec("tree", 14 * ms), ("_tree_fifo", 14 * ms, 15 * ms), sec("tree", 15 * ms),
+        (f"at::cuda::{MARK}(long)", 20 * ms, 20 * ms + 1),
+        ("cutlass_gemm", 21 * ms, 22 * ms),                        # between steps: not counted
+    ]
+    (got,) = split_per_window(reversed(acts))
+    assert got == pytest.approx({"dense": 0.001, "attention": 0.003, "other": 0.001, "moe": 0.003,
+                                 "lm_head": 0.002, "tree": 0.001})
+
+
+def test_the_model_brackets_each_family_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the sections on, every attention, MoE and lm-head call of a forward and of the drafter
+    is bracketed by its family's marker (a CPU forward of k2-mini, the markers recorded)."""
+    from engine import gpu_busy
+    from engine.config import make_config
+    from engine.decode import Decoder
+    from engine.drafter import BlockDrafter
+    from engine.model import TargetModel
+
+    seen: list[str] = []
+    monkeypatch.setattr(gpu_busy, "_markers", {})
+    monkeypatch.setattr(gpu_busy, "_section_marker", lambda fam: lambda: seen.append(fam))
+    cfg = make_config("k2-mini")
+    model = TargetModel(cfg, torch.device("cpu"), torch.float32)
+    dec = Decoder(model, BlockDrafter(model))
+    with gpu_busy.sections():
+        dec.speculative([[1, 2, 3, 4]], 3, 16, 0.8, graphs=False)
+    assert seen and all(seen[i] == seen[i + 1] for i in range(0, len(seen), 2))  # each one opened, closed
+    opened = seen[::2]
+    prefill = ["attention"] + ["attention", "moe"] * (cfg.layers - cfg.dense_layers) + ["lm_head"]
+    step = ["attention", "lm_head", "tree"] + prefill[:-1] + ["lm_head", "tree"]
+    assert opened[:len(prefill)] == prefill
+    assert opened[len(prefill):len(prefill) + len(step)] == step
+    seen.clear()
+    dec.speculative([[1, 2, 3, 4]], 3, 16, 0.8, graphs=False)  # sections off: no marker launched
+    assert seen == []
 
 
 def test_synthetic_int4_codes_average_zero() -> None:

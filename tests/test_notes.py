@@ -295,3 +295,33 @@ def test_notes_commit_records_only_the_status_fields_of_a_host_file(tmp_path: Pa
     with pytest.raises(NotesError, match=r"docs/notes/extra\.md: it would reveal an IPv4 address"):
         commit_notes(repo, [repo / "docs" / "notes" / "extra.md"], "x", inv)
     assert _git(repo, "rev-parse", "HEAD").strip() == sha
+
+
+def test_dense_gemms_get_their_own_table(tmp_path: Path, inv: Inventory) -> None:
+    """Dense GEMM points show as one row per (op, tp) with us at each M and the share of the roofline,
+    never among the attention and tree kernels."""
+    from engine.config import K2
+    from engine.costs import dense_op_cost, dense_ops
+
+    ref = write_run(tmp_path / "art" / "reference" / "h200")
+    kern = read_table(ref / "kernels.arrow")
+    prov = provenance(kern)
+    ops = {op.name: op for op in dense_ops(K2, 8)}
+    dense = []
+    for name, t_us in (("o", 20.0), ("lm_head", 80.0)):
+        for m in (1, 256):
+            nbytes, flops = dense_op_cost(ops[name], m)
+            dense.append({"run_id": prov["run_id"], "kernel": "dense_gemm", "op": name, "impl": "torch",
+                          "dtype": "bfloat16", "device": "cuda", "M": m, "N": ops[name].n, "K": ops[name].k,
+                          "batch": 1, "tp": 8, "time_us_p50": t_us * (1 + m / 256), "bytes": nbytes,
+                          "flops": flops, "source": "measured"})
+    write_table(ref, to_table("kernels", kern.to_pylist() + dense, prov))
+    render_notes(Store(str(tmp_path / "art")), inv, tmp_path / "docs")
+    page = (tmp_path / "docs" / "notes" / "h200.md").read_text()
+    section = page.split("### Dense GEMMs", 1)[1].split("\n## ", 1)[0]
+    assert "| op | tp | N x K | M=1 us | M=256 us | roofline % |" in section
+    head = next(r for r in dense if r["op"] == "lm_head" and r["M"] == 1)
+    pct = head["bytes"] / (4300.0 * 1e3) / head["time_us_p50"] * 100  # the run's own copy bandwidth
+    assert f"| lm_head | 8 | 20480 x 7168 | 80.3 | 160.0 | " in section and f"-{pct:.0f} |" in section
+    attention = page.split("## Attention and tree kernels", 1)[1].split("### Dense GEMMs", 1)[0]
+    assert "dense_gemm" not in attention and "lm_head" not in attention
