@@ -34,6 +34,7 @@ from engine.timing import copy_gbps, matmul_tflops, time_op
 from kernels import mla_verify, reference, tree_build
 from kernels.gpu_check import poisoned, rel_err, unpoisoned
 
+DEVICE, DTYPE = torch.device("cuda"), torch.bfloat16
 DL, DR = K2.kv_lora, K2.rope_dim
 SCALE = 1.0 / K2.qk_dim ** 0.5
 # FlashMLA's comparison grid: (heads, batch, budget, context)
@@ -50,14 +51,16 @@ CHECKS: list[tuple[int, int, int, list[int], str, dict[str, Any]]] = [
     (8, 2, 512, [3000, 5001], "causal", {}), (64, 1, 300, [2048], "causal", {}),
     (8, 1, 2048, [30000], "causal", {}), (8, 2, 1, [7000, 1], "causal", {}),
 ]
-# Sweep: tile configs (BM, BN, num_warps, num_stages) at a few shapes, then split counts.
-CONFIG_SWEEP = [(64, 64, 8, 2), (64, 128, 8, 1), (64, 32, 8, 3), (64, 32, 8, 2), (64, 64, 8, 1)]
-SMALL_SWEEP = [(16, 64, 4, 3), (16, 64, 4, 2), (16, 32, 4, 3), (16, 128, 4, 2), (64, 64, 8, 2)]
-SWEEP_SHAPES = [(8, 8, 256, 16384), (64, 8, 64, 16384), (8, 16, 16, 32768), (8, 1, 16, 65536),
-                (64, 1, 16, 65536), (8, 1, 256, 32768)]
-DECODE_SHAPES = [(8, 1, 0, 16384), (8, 16, 0, 32768), (64, 16, 0, 32768)]  # budget 0: T = 1
-SPLIT_SHAPES = [(8, 1, 16, 4096), (8, 1, 16, 65536), (8, 8, 16, 16384), (64, 1, 16, 16384),
-                (8, 1, 64, 32768), (8, 16, 16, 4096)]
+# Sweep: tile configs at a few shapes, then split counts.
+C = mla_verify.Config
+CONFIG_SWEEP = [C("triton", 64, 128, 8, 1), C("triton", 64, 32, 8, 3)]  # besides NAMED's, timed in the grid
+SMALL_SWEEP = [C("triton", 16, 64, 4, 3), C("triton", 16, 64, 4, 2), C("triton", 16, 32, 4, 3),
+               C("triton", 64, 64, 8, 2), C("gluon", 64, 64, 8, 1)]
+# The kernels --kernels names: the table's pick, each kernel at its main config, an older file's kernel
+NAMED = {"triton": C("triton", 64, 64, 8, 2), "gluon": C("gluon", 64, 64, 8, 1)}
+SWEEP_SHAPES = [(8, 8, 256, 16384), (64, 8, 64, 16384), (8, 16, 16, 32768), (8, 1, 16, 65536)]
+DECODE_SHAPES = [(8, 1, 0, 16384), (8, 16, 0, 32768), (64, 16, 0, 32768)]  # budget 0: T = 1, plain decode
+SPLIT_SHAPES = [(8, 1, 16, 4096), (8, 1, 16, 65536), (8, 8, 16, 16384), (64, 1, 16, 16384), (8, 16, 16, 4096)]
 
 Row = dict[str, Any]
 
@@ -88,11 +91,11 @@ class Out:
 def inputs(heads: int, batch: int, t: int, ctx: list[int], mask: str, s: int | None = None) -> tuple:
     """Random bf16 latents for T tokens over contexts `ctx` (cache of s rows, default max(ctx) + T)."""
     s = s or max(ctx) + t
-    dev = torch.device("cuda")
-    qn = torch.randn(batch, t, heads, DL, device=dev, dtype=torch.bfloat16)
-    qr = torch.randn(batch, t, heads, DR, device=dev, dtype=torch.bfloat16)
-    ckv = torch.randn(batch, s, DL, device=dev, dtype=torch.bfloat16)
-    kpe = torch.randn(batch, s, DR, device=dev, dtype=torch.bfloat16)
+    dev = DEVICE
+    qn = torch.randn(batch, t, heads, DL, device=dev, dtype=DTYPE)
+    qr = torch.randn(batch, t, heads, DR, device=dev, dtype=DTYPE)
+    ckv = torch.randn(batch, s, DL, device=dev, dtype=DTYPE)
+    kpe = torch.randn(batch, s, DR, device=dev, dtype=DTYPE)
     lens = torch.tensor(ctx, device=dev, dtype=torch.int64)
     if mask == "causal":
         tm = None
@@ -105,20 +108,25 @@ def inputs(heads: int, batch: int, t: int, ctx: list[int], mask: str, s: int | N
     return qn, qr, ckv, kpe, lens, tm
 
 
-def check(out: Out) -> None:
+def check(out: Out, configs: list[mla_verify.Config | None]) -> None:
+    """Each CHECKS case with each config (None: the table's pick), every buffer the kernel allocates NaN."""
     for heads, batch, t, ctx, mask, kw in CHECKS:
         args = inputs(heads, batch, t, ctx, mask)
         causal = mask == "causal"
-        poisoned(mla_verify)
-        try:
-            got = mla_verify.mla_tree_attention(*args, SCALE, causal=causal, **kw)
-        finally:
-            unpoisoned(mla_verify)
         want = reference.mla_tree_attention(*args, SCALE, causal=causal)
-        err = rel_err(got, want)
-        out("mla_check", heads=heads, batch=batch, T=t, ctx=" ".join(map(str, ctx)), mask=mask,
-            splits=kw.get("splits", "plan"), rel_err=err, ok=err < 1e-2)
-        del args, got, want
+        for cfg in configs:
+            poisoned(mla_verify)
+            error = ""
+            try:
+                err = rel_err(mla_verify.mla_tree_attention(*args, SCALE, causal=causal, config=cfg, **kw), want)
+            except Exception as e:  # recorded; the other cases still run
+                err, error = float("inf"), f"{type(e).__name__}: {e}"[:200]
+            finally:
+                unpoisoned(mla_verify)
+            out("mla_check", config=" ".join(map(str, cfg)) if cfg else "auto", heads=heads, batch=batch, T=t,
+                ctx=" ".join(map(str, ctx)), mask=mask, splits=kw.get("splits", "plan"), rel_err=err, ok=err < 1e-2,
+                error=error)
+        del args, want
     torch.cuda.empty_cache()
 
 
@@ -130,8 +138,7 @@ def timed(out: Out, name: str, kernel: str, fn: Callable[[], Any], shape: tuple[
     if out.left() < 5:
         out(name, **base, status="skipped: deadline")
         return None
-    dev = torch.device("cuda")
-    t = time_op(fn, dev, budgeted_repeats(fn, dev, reps))
+    t = time_op(fn, DEVICE, budgeted_repeats(fn, DEVICE, reps))
     _, flops = mla_cost(K2, batch, budget, context, tp=K2.heads // heads)
     row = dict(base, us_p50=t.p50_us, us_p10=t.p10_us, us_p90=t.p90_us, repeats=t.repeats,
                flops=flops, tflops=flops / t.p50_us / 1e6, status="ok")
@@ -142,51 +149,53 @@ def timed(out: Out, name: str, kernel: str, fn: Callable[[], Any], shape: tuple[
     return t.p50_us
 
 
-def time_grid(out: Out, baseline: ModuleType | None) -> None:
-    kernels: list[tuple[str, Callable[..., Any]]] = [("triton", mla_verify.mla_tree_attention)]
-    if baseline is not None:
-        kernels.append(("baseline", baseline.mla_tree_attention))
+def time_grid(out: Out, names: list[str], baseline: ModuleType | None) -> None:
+    """Every grid shape, each named kernel ("auto": the table's pick) in turn on the same inputs."""
+    kernels: list[tuple[str, Callable[..., Any]]] = []
+    for name in names:
+        if name == "baseline":
+            if baseline is None:
+                raise SystemExit("--kernels baseline needs --baseline FILE")
+            kernels.append((name, baseline.mla_tree_attention))
+        else:
+            cfg = NAMED.get(name)
+            kernels.append((name, lambda *a, cfg=cfg: mla_verify.mla_tree_attention(*a, config=cfg)))
     for heads, batch, budget, context in GRID:
         args = inputs(heads, batch, budget + 1, [context] * batch, "all")
         for name, fn in kernels:
-            timed(out, "mla_time", name, lambda fn=fn: fn(*args, SCALE), (heads, batch, budget, context))
+            try:
+                timed(out, "mla_time", name, lambda fn=fn: fn(*args, SCALE), (heads, batch, budget, context))
+            except Exception as e:  # one kernel failing leaves the others' rows
+                out("mla_time", kernel=name, heads=heads, batch=batch, budget=budget, context=context,
+                    status=f"error: {type(e).__name__}: {e}"[:200])
         del args
     torch.cuda.empty_cache()
 
 
 def sweep(out: Out) -> None:
-    for shape in SWEEP_SHAPES:
-        heads, batch, budget, context = shape
-        args = inputs(heads, batch, budget + 1, [context] * batch, "all")
-        for cfg in CONFIG_SWEEP:
-            try:
-                timed(out, "mla_sweep", "triton", lambda cfg=cfg: mla_verify.mla_tree_attention(*args, SCALE, config=cfg),
-                      shape, reps=20, config=" ".join(map(str, cfg)))
-            except Exception as e:  # a config that does not fit (shared memory) is recorded, not fatal
-                out("mla_sweep", kernel="triton", heads=heads, batch=batch, budget=budget, context=context,
-                    config=" ".join(map(str, cfg)), status=f"error: {type(e).__name__}: {e}"[:200])
-        del args
-    for shape in DECODE_SHAPES:
-        heads, batch, _, context = shape
-        args = inputs(heads, batch, 1, [context] * batch, "all")
-        for cfg in SMALL_SWEEP:
-            try:
-                timed(out, "mla_sweep", "triton", lambda cfg=cfg: mla_verify.mla_tree_attention(*args, SCALE, config=cfg),
-                      shape, reps=20, config=" ".join(map(str, cfg)))
-            except Exception as e:
-                out("mla_sweep", kernel="triton", heads=heads, batch=batch, budget=0, context=context,
-                    config=" ".join(map(str, cfg)), status=f"error: {type(e).__name__}: {e}"[:200])
-        del args
+    """Configs at the sweep shapes (T = budget + 1) and the decode shapes (T = 1), then split counts."""
+    for shapes, configs in ((SWEEP_SHAPES, CONFIG_SWEEP), (DECODE_SHAPES, SMALL_SWEEP)):
+        for shape in shapes:
+            heads, batch, budget, context = shape
+            args = inputs(heads, batch, budget + 1, [context] * batch, "all")
+            for cfg in configs:
+                name = " ".join(map(str, cfg))
+                try:
+                    timed(out, "mla_sweep", cfg.kernel,
+                          lambda cfg=cfg: mla_verify.mla_tree_attention(*args, SCALE, config=cfg), shape, reps=20, config=name)
+                except Exception as e:  # a config that does not fit (shared memory) is recorded, not fatal
+                    out("mla_sweep", kernel=cfg.kernel, heads=heads, batch=batch, budget=budget, context=context,
+                        config=name, status=f"error: {type(e).__name__}: {e}"[:200])
+            del args
     for shape in SPLIT_SHAPES:
         heads, batch, budget, context = shape
         args = inputs(heads, batch, budget + 1, [context] * batch, "all")
-        rows = (budget + 1) * heads
-        bm, bn, _, _ = mla_verify.pick_config(torch.device("cuda"), rows)
-        tiles = batch * -(-rows // bm)
-        planned, _ = mla_verify.plan_splits(tiles, context + budget + 1, bn, mla_verify.sm_count(torch.device("cuda")))
-        for n in sorted({1, 2, 4, 8, 16, 32, 64, 128, planned}):
-            timed(out, "mla_splits", "triton", lambda n=n: mla_verify.mla_tree_attention(*args, SCALE, splits=n),
-                  shape, reps=20, splits=n, planned=planned, tiles=tiles)
+        for name, cfg in NAMED.items():
+            tiles = batch * -(-(budget + 1) * heads // cfg.bm)
+            planned, _ = mla_verify.plan_splits(tiles, context + budget + 1, cfg.bn, mla_verify.sm_count(DEVICE))
+            for n in sorted({1, 4, 16, 64, planned // 2 or 1, planned, 2 * planned}):
+                timed(out, "mla_splits", name, lambda n=n, cfg=cfg: mla_verify.mla_tree_attention(
+                    *args, SCALE, config=cfg, splits=n), shape, reps=20, splits=n, planned=planned, tiles=tiles)
         del args
     torch.cuda.empty_cache()
 
@@ -208,19 +217,18 @@ def read_flashmla(path: Path) -> dict[tuple[int, int, int, int], float]:
 
 
 def summary(out: Out) -> None:
-    """The time table: ours, the baseline, FlashMLA, and the goal (<= 1.25x FlashMLA) per shape."""
-    rows = out.rows.get("mla_time", [])
-    by = {(r["kernel"], r["heads"], r["batch"], r["budget"], r["context"]): r for r in rows if r.get("status") == "ok"}
-    print(f"{'heads':>5} {'batch':>5} {'budget':>6} {'context':>7} {'triton us':>10} {'TFLOP/s':>8} "
-          f"{'baseline us':>11} {'flashmla us':>11} {'x flashmla':>10}")
+    """The time table: each kernel's time and its ratio to FlashMLA's (the goal: <= 1.25) per shape."""
+    rows = [r for r in out.rows.get("mla_time", []) if r.get("status") == "ok"]
+    names = list(dict.fromkeys(r["kernel"] for r in rows))
+    by = {(r["kernel"], r["heads"], r["batch"], r["budget"], r["context"]): r for r in rows}
+    print(f"{'shape (heads batch budget context)':>34} {'flashmla us':>11} " + " ".join(f"{n + ' us (x fm, TF/s)':>28}" for n in names))
     for h, b, n, c in GRID:
-        r = by.get(("triton", h, b, n, c))
-        if r is None:
-            continue
-        old = by.get(("baseline", h, b, n, c))
-        print(f"{h:>5} {b:>5} {n:>6} {c:>7} {r['us_p50']:>10.1f} {r['tflops']:>8.1f} "
-              f"{(old['us_p50'] if old else float('nan')):>11.1f} {r.get('flashmla_us', float('nan')):>11.1f} "
-              f"{r.get('vs_flashmla', float('nan')):>10.2f}")
+        cells = []
+        for name in names:
+            r = by.get((name, h, b, n, c))
+            cells.append(f"{r['us_p50']:>10.1f} ({r.get('vs_flashmla', float('nan')):5.2f}, {r['tflops']:5.0f})"
+                         if r else f"{'-':>28}")
+        print(f"{f'{h} {b} {n} {c}':>34} {out.flashmla.get((h, b, n, c), float('nan')):>11.1f} " + " ".join(f"{x:>28}" for x in cells))
 
 
 def main() -> None:
@@ -228,22 +236,34 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="folder for mla_check.csv, mla_time.csv, ...")
     ap.add_argument("--flashmla", type=Path, help="FlashMLA's figures (shared/data/mla-flashmla-h200.csv)")
     ap.add_argument("--baseline", type=Path, help="an older kernels/mla_verify.py to time beside this one")
+    ap.add_argument("--kernels", default="auto", help="comma list for the grid: auto (the table's pick), "
+                    "triton, gluon (each at its main config), baseline (--baseline's kernel); none: no grid")
+    ap.add_argument("--check", default="auto", help="comma list of configs to check: auto, triton, gluon; none")
     ap.add_argument("--sweep", action="store_true", help="also time tile configs and split counts")
-    ap.add_argument("--no-grid", action="store_true", help="skip the timing grid (checks and sweep only)")
     ap.add_argument("--deadline-s", type=float, default=480, help="stop timing when this runs out")
+    ap.add_argument("--once", metavar="KERNEL:H,B,N,C", help="only run one named kernel twice at heads H, batch "
+                    "B, budget N, context C (for a profiler: profile its second launch) and exit")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("engine.bench_mla needs a CUDA GPU")
+    if a.once:
+        name, shape = a.once.split(":")
+        h, b, n, c = (int(x) for x in shape.split(","))
+        args = inputs(h, b, n + 1, [c] * b, "all")
+        for _ in range(2):
+            mla_verify.mla_tree_attention(*args, SCALE, config=NAMED.get(name))
+        torch.cuda.synchronize()
+        return
     out = Out(a.out, time.time() + a.deadline_s, read_flashmla(a.flashmla) if a.flashmla else {})
-    dev = torch.device("cuda")
-    out("mla_ceilings", gpu=torch.cuda.get_device_name(), sms=mla_verify.sm_count(dev),
-        copy_gbps=copy_gbps(dev), bf16_tflops=matmul_tflops(dev), torch=torch.__version__,
+    out("mla_ceilings", gpu=torch.cuda.get_device_name(), sms=mla_verify.sm_count(DEVICE),
+        copy_gbps=copy_gbps(DEVICE), bf16_tflops=matmul_tflops(DEVICE), torch=torch.__version__,
         triton=__import__("triton").__version__)
-    check(out)
+    if a.check != "none":
+        check(out, [NAMED.get(n) for n in a.check.split(",")])
     if a.sweep:
         sweep(out)
-    if not a.no_grid:
-        time_grid(out, load_baseline(a.baseline) if a.baseline else None)
+    if a.kernels != "none":
+        time_grid(out, a.kernels.split(","), load_baseline(a.baseline) if a.baseline else None)
     summary(out)
 
 

@@ -15,19 +15,38 @@ results do not depend on scheduling. T = 1 with mask [[True]] is plain decode th
 from __future__ import annotations
 
 from functools import cache
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+try:  # Gluon (triton.experimental) ships with Triton 3.6; without it the tl.dot kernel runs everywhere
+    from kernels import mla_gluon
+except ImportError:
+    mla_gluon = None
+
 LOG2E = 1.4426950408889634  # scores go through exp2
-# Tile configs keyed by CUDA capability; None is the default (other GPUs and the CPU interpreter).
-# Each entry maps a row class to (BM, BN, num_warps, num_stages); "small" applies when a sequence
-# has at most 16 rows (decode at TP-8), "rows" otherwise. kernels/NOTES.md section 2 has the sweep.
-CONFIGS: dict[tuple[int, int] | None, dict[str, tuple[int, int, int, int]]] = {
-    (9, 0): {"rows": (64, 64, 8, 2), "small": (16, 64, 4, 3)},
-    None: {"rows": (64, 64, 8, 2), "small": (16, 64, 4, 2)},
+
+
+class Config(NamedTuple):
+    """A tile config: which kernel ("triton": tl.dot, any backend and the interpreter; "gluon": the
+    sm_90 kernel of mla_gluon.py, bf16, BM = BN = 64, 8 warps), its row and key tiles, warps, stages."""
+
+    kernel: str
+    bm: int
+    bn: int
+    warps: int
+    stages: int
+
+
+# Configs keyed by CUDA capability; None is the default (other GPUs and the CPU interpreter). Each
+# entry maps a row class to its Config: "small" when a sequence has at most 16 query rows (decode
+# at TP-8), "rows" otherwise. kernels/NOTES.md section 2 has the sweep they come from.
+CONFIGS: dict[tuple[int, int] | None, dict[str, Config]] = {
+    (9, 0): {"rows": Config("triton", 64, 64, 8, 2), "small": Config("triton", 16, 64, 4, 3)},
+    None: {"rows": Config("triton", 64, 64, 8, 2), "small": Config("triton", 16, 64, 4, 2)},
 }
 # Split planner's cost model, in units of one key block's time for one row tile: a program's fixed
 # cost (load its queries, write its rows), the extra of writing fp32 partials, the combine's
@@ -132,11 +151,19 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def pick_config(device: torch.device, rows: int) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages) for a sequence of `rows` query rows on `device`."""
+def pick_config(device: torch.device, rows: int, dtype: torch.dtype) -> Config:
+    """The Config for a sequence of `rows` query rows on `device` (the default where a table entry's
+    kernel cannot run these inputs)."""
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    table = CONFIGS.get(cap, CONFIGS[None])
-    return table["small" if rows <= 16 else "rows"]
+    cls = "small" if rows <= 16 else "rows"
+    cfg = CONFIGS.get(cap, CONFIGS[None])[cls]
+    return cfg if cfg.kernel == "triton" or gluon_ok(device, dtype) else CONFIGS[None][cls]
+
+
+def gluon_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the sm_90 Gluon kernel can run here: Gluon imported, a Hopper GPU, bf16 inputs."""
+    return (mla_gluon is not None and device.type == "cuda" and dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def plan_splits(tiles: int, s: int, bn: int, sms: int) -> tuple[int, int]:
@@ -163,10 +190,10 @@ def plan_splits(tiles: int, s: int, bn: int, sms: int) -> tuple[int, int]:
 
 def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor, ctx_lens: Tensor,
                        tree_mask: Tensor | None, sm_scale: float, causal: bool = False,
-                       config: tuple[int, int, int, int] | None = None, splits: int | None = None) -> Tensor:
-    """Triton MLA tree verify (or, with causal=True, a chunk of prompt tokens over the prefix and
-    causally among themselves; tree_mask is then ignored and may be None). `config` and `splits`
-    override the table and the planner for the tuning sweep."""
+                       config: Config | None = None, splits: int | None = None) -> Tensor:
+    """MLA tree verify (or, with causal=True, a chunk of prompt tokens over the prefix and causally
+    among themselves; tree_mask is then ignored and may be None). `config` and `splits` override
+    the table and the planner for the tuning sweep."""
     bt, t, hh, dl = q_nope.shape
     dr = q_rope.shape[-1]
     s = ckv.shape[1]
@@ -175,12 +202,15 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
     if not causal and tree_mask is None:
         raise ValueError("mla_tree_attention: a tree mask is needed unless causal=True")
     rows = t * hh
-    bm, bn, warps, stages = config or pick_config(q_nope.device, rows)
-    tiles = triton.cdiv(rows, bm)
+    cfg = config or pick_config(q_nope.device, rows, q_nope.dtype)
+    if cfg.kernel == "gluon" and not (gluon_ok(q_nope.device, q_nope.dtype) and (cfg.bm, cfg.bn, cfg.warps) ==
+                                      (64, 64, mla_gluon.NUM_WARPS.value)):
+        raise ValueError(f"mla_tree_attention: {cfg} needs Gluon, an sm_90 GPU, bf16 and BM = BN = 64, 8 warps")
+    tiles = triton.cdiv(rows, cfg.bm)
     if splits is None:
-        n_splits, chunk = plan_splits(bt * tiles, s, bn, sm_count(q_nope.device))
+        n_splits, chunk = plan_splits(bt * tiles, s, cfg.bn, sm_count(q_nope.device))
     else:
-        chunk = triton.cdiv(triton.cdiv(s, splits), bn) * bn
+        chunk = triton.cdiv(triton.cdiv(s, splits), cfg.bn) * cfg.bn
         n_splits = triton.cdiv(s, chunk)
     qn, qr = q_nope.contiguous(), q_rope.contiguous()
     ckv, kpe = ckv.contiguous(), kpe.contiguous()
@@ -192,10 +222,11 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
     else:
         part = torch.empty(bt * rows, n_splits, dl, dtype=torch.float32, device=qn.device)
         lse = torch.empty(bt * rows, n_splits, dtype=torch.float32, device=qn.device)
-    _mla_rows[(tiles, n_splits, bt)](qn, qr, ckv, kpe, ctx_lens, mask, part, lse,
-                                     sm_scale * LOG2E, t, s, chunk, n_splits,
-                                     H=hh, DL=dl, DR=dr, BM=bm, BN=bn, CAUSAL=causal, ONE_SPLIT=one,
-                                     num_warps=warps, num_stages=stages)
+    kernel = mla_gluon.mla_rows_sm90 if cfg.kernel == "gluon" else _mla_rows
+    kernel[(tiles, n_splits, bt)](qn, qr, ckv, kpe, ctx_lens, mask, part, lse,
+                                  sm_scale * LOG2E, t, s, chunk, n_splits,
+                                  H=hh, DL=dl, DR=dr, BM=cfg.bm, BN=cfg.bn, CAUSAL=causal, ONE_SPLIT=one,
+                                  num_warps=cfg.warps, num_stages=cfg.stages)
     if not one:
         bd = min(dl, 128)
         _mla_combine[(bt * rows, dl // bd)](part, lse, out, n_splits, DL=dl, BD=bd,

@@ -162,13 +162,14 @@ def test_mla_matches_reference(t: int, hh: int, splits: int | None, cfg: tuple |
     divide the key block (9, 38), a cache longer than ctx + T; real tree masks (a deep chain and
     bushy trees) and, in the last sequence, the all-True mask; one split or several."""
     from kernels import reference
+    from kernels.mla_verify import Config
 
     bt, s = 3, 64
     args = _mla_inputs(bt, t, hh, s, 7 + t + hh)
     ctx = torch.tensor([9, s - t, 38])
     mask = _tree_masks(bt, t, t).clone()
     mask[2] = True
-    out = _run_mla(args, ctx, mask, config=cfg, splits=splits)
+    out = _run_mla(args, ctx, mask, config=cfg and Config("triton", *cfg), splits=splits)
     assert _rel(out, reference.mla_tree_attention(*args, ctx, mask, 0.2)) < 1e-2
 
 
@@ -178,11 +179,12 @@ def test_mla_causal_is_the_chain_mask(t: int, hh: int, splits: int | None) -> No
     """causal=True (no mask tensor; each tile stops at its last token's key) equals the reference
     with a lower-triangular tree, over prefixes that do and do not align with the key block."""
     from kernels import reference
+    from kernels.mla_verify import Config
 
     bt, s = 2, 56
     args = _mla_inputs(bt, t, hh, s, 40 + t)
     ctx = torch.tensor([16, 21])
-    out = _run_mla(args, ctx, None, causal=True, config=(16, 16, 4, 2), splits=splits)
+    out = _run_mla(args, ctx, None, causal=True, config=Config("triton", 16, 16, 4, 2), splits=splits)
     want = reference.mla_tree_attention(*args, ctx, None, 0.2, causal=True)
     assert _rel(out, want) < 1e-2
     chain = torch.ones(t, t, dtype=torch.bool).tril().expand(bt, t, t)
