@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import importlib.util
 import time
 from pathlib import Path
@@ -44,8 +45,8 @@ CHECKS: list[tuple[int, int, int, list[int], str, dict[str, Any]]] = [
     (8, 2, 17, [3000, 7100], "tree", {}), (64, 2, 65, [3000, 7100], "tree", {}),
     (8, 3, 1, [5000, 1, 8191], "tree", {}), (64, 3, 1, [5000, 1, 8191], "tree", {}),
     (8, 1, 257, [20000], "tree", {}), (64, 1, 257, [20000], "tree", {}),
-    (8, 4, 1025, [1000, 33001], "tree", {}), (8, 1, 17, [131072], "tree", {}),
-    (8, 2, 65, [4096, 4097], "all", {}), (64, 16, 17, [4095, 4096], "all", {}),
+    (8, 2, 1025, [1000, 33001], "tree", {}), (8, 1, 17, [131072], "tree", {}),
+    (8, 2, 65, [4096, 4097], "all", {}), (64, 16, 17, [4095, 4096] * 8, "all", {}),
     (8, 1, 17, [16384], "tree", {"splits": 1}), (8, 1, 17, [16384], "tree", {"splits": 7}),
     (8, 1, 17, [16384], "tree", {"splits": 64}), (64, 2, 65, [9000, 100], "tree", {"splits": 5}),
     (8, 2, 512, [3000, 5001], "causal", {}), (64, 1, 300, [2048], "causal", {}),
@@ -66,7 +67,8 @@ Row = dict[str, Any]
 
 
 class Out:
-    """Appends rows to DIR/<name>.csv as they come (a killed run keeps what it measured)."""
+    """Appends rows to DIR/<name>.csv as they come (a killed run keeps what it measured; a later run
+    into the same DIR adds to the rows already there)."""
 
     def __init__(self, out: Path, deadline: float, flashmla: dict[tuple[int, int, int, int], float]) -> None:
         self.out, self.deadline, self.flashmla = out, deadline, flashmla
@@ -74,9 +76,12 @@ class Out:
         out.mkdir(parents=True, exist_ok=True)
 
     def __call__(self, name: str, **row: Any) -> None:
-        rows = self.rows.setdefault(name, [])
-        rows.append(row)
         path = self.out / f"{name}.csv"
+        if name not in self.rows:
+            with open(path) if path.exists() else open(os.devnull) as f:
+                self.rows[name] = list(csv.DictReader(f))
+        rows = self.rows[name]
+        rows.append(row)
         fields = list(dict.fromkeys(k for r in rows for k in r))
         with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)
@@ -140,7 +145,7 @@ def timed(out: Out, name: str, kernel: str, fn: Callable[[], Any], shape: tuple[
         return None
     t = time_op(fn, DEVICE, budgeted_repeats(fn, DEVICE, reps))
     _, flops = mla_cost(K2, batch, budget, context, tp=K2.heads // heads)
-    row = dict(base, us_p50=t.p50_us, us_p10=t.p10_us, us_p90=t.p90_us, repeats=t.repeats,
+    row = dict(base, us_p50=t.p50_us, us_p10=t.p10_us, us_p90=t.p90_us, repeats=t.repeats, graph=t.graph,
                flops=flops, tflops=flops / t.p50_us / 1e6, status="ok")
     fm = out.flashmla.get(shape)
     if fm is not None:
@@ -187,15 +192,15 @@ def sweep(out: Out) -> None:
                     out("mla_sweep", kernel=cfg.kernel, heads=heads, batch=batch, budget=budget, context=context,
                         config=name, status=f"error: {type(e).__name__}: {e}"[:200])
             del args
-    for shape in SPLIT_SHAPES:
+    for shape in SPLIT_SHAPES:  # the table's pick at each split count
         heads, batch, budget, context = shape
         args = inputs(heads, batch, budget + 1, [context] * batch, "all")
-        for name, cfg in NAMED.items():
-            tiles = batch * -(-(budget + 1) * heads // cfg.bm)
-            planned, _ = mla_verify.plan_splits(tiles, context + budget + 1, cfg.bn, mla_verify.sm_count(DEVICE))
-            for n in sorted({1, 4, 16, 64, planned // 2 or 1, planned, 2 * planned}):
-                timed(out, "mla_splits", name, lambda n=n, cfg=cfg: mla_verify.mla_tree_attention(
-                    *args, SCALE, config=cfg, splits=n), shape, reps=20, splits=n, planned=planned, tiles=tiles)
+        cfg = mla_verify.pick_config(DEVICE, (budget + 1) * heads, DTYPE)
+        tiles = batch * -(-(budget + 1) * heads // cfg.bm)
+        planned, _ = mla_verify.plan_splits(tiles, context + budget + 1, cfg.bn, mla_verify.sm_count(DEVICE))
+        for n in sorted({1, 4, 16, 64, planned // 2 or 1, planned, 2 * planned}):
+            timed(out, "mla_splits", cfg.kernel, lambda n=n: mla_verify.mla_tree_attention(*args, SCALE, splits=n),
+                  shape, reps=20, splits=n, planned=planned, tiles=tiles)
         del args
     torch.cuda.empty_cache()
 
@@ -220,13 +225,13 @@ def summary(out: Out) -> None:
     """The time table: each kernel's time and its ratio to FlashMLA's (the goal: <= 1.25) per shape."""
     rows = [r for r in out.rows.get("mla_time", []) if r.get("status") == "ok"]
     names = list(dict.fromkeys(r["kernel"] for r in rows))
-    by = {(r["kernel"], r["heads"], r["batch"], r["budget"], r["context"]): r for r in rows}
+    by = {(r["kernel"], *(int(r[k]) for k in ("heads", "batch", "budget", "context"))): r for r in rows}
     print(f"{'shape (heads batch budget context)':>34} {'flashmla us':>11} " + " ".join(f"{n + ' us (x fm, TF/s)':>28}" for n in names))
     for h, b, n, c in GRID:
         cells = []
         for name in names:
             r = by.get((name, h, b, n, c))
-            cells.append(f"{r['us_p50']:>10.1f} ({r.get('vs_flashmla', float('nan')):5.2f}, {r['tflops']:5.0f})"
+            cells.append(f"{float(r['us_p50']):>10.1f} ({float(r.get('vs_flashmla', 'nan')):5.2f}, {float(r['tflops']):5.0f})"
                          if r else f"{'-':>28}")
         print(f"{f'{h} {b} {n} {c}':>34} {out.flashmla.get((h, b, n, c), float('nan')):>11.1f} " + " ".join(f"{x:>28}" for x in cells))
 
@@ -260,10 +265,10 @@ def main() -> None:
         triton=__import__("triton").__version__)
     if a.check != "none":
         check(out, [NAMED.get(n) for n in a.check.split(",")])
-    if a.sweep:
-        sweep(out)
     if a.kernels != "none":
         time_grid(out, a.kernels.split(","), load_baseline(a.baseline) if a.baseline else None)
+    if a.sweep:
+        sweep(out)
     summary(out)
 
 

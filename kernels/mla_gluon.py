@@ -3,9 +3,10 @@
 Triton lays out the first of two chained dots with all warps along M; with a 64-row tile and two
 warpgroups that makes both warpgroups compute the same 64 x 64 score block (kernels/NOTES.md
 section 2). Here the score block is split by keys between the warpgroups (warps [4, 2]: each
-computes its 32 keys over all 576 K columns, no work done twice), the row max and sum cross them
-through shared memory, P goes to shared memory, and each warpgroup accumulates its 256 of the 512
-output columns. Latent and rope tiles stream in by cp.async, two stages deep; queries stay in shared
+computes its 32 keys over all 576 K columns, no work done twice), the row max crosses them through
+shared memory each block (the row sums only once, at the end), P goes to shared memory, and each
+warpgroup accumulates its 256 of the 512 output columns. Latent and rope tiles stream in by
+cp.async, two stages deep (block j + 1 in flight while block j is computed); queries stay in shared
 memory. Same programs, row tiles, splits, masks and outputs as `_mla_rows`, which the wrapper in
 mla_verify.py shares; 8 warps, BM = BN = 64 (the shared memory of Q + two stages + P is 225 KB).
 """
@@ -78,18 +79,16 @@ def mla_rows_sm90(qn_ptr, qr_ptr, ckv_ptr, kpe_ptr, ctx_ptr, mask_ptr, o_ptr, ls
     rs = pid_m * BM + gl.arange(0, BM, layout=ROW_S)
     tok = gl.minimum(rs, rows - 1) // H
     m_i = gl.full([BM], float("-inf"), gl.float32, ROW_S)
-    l_i = gl.zeros([BM], gl.float32, ROW_S)
+    l_2d = gl.zeros([BM, BN], gl.float32, S_L)  # row sums kept per column: one cross-warpgroup sum at the end
     acc = gl.zeros([BM, DL], gl.float32, O_L)
     for j in range(n_blocks):
         n0 = start + j * BN
         st = j % 2
-        if j + 1 < n_blocks:  # into the other stage, freed by the barrier that ended block j - 1
-            _issue(kv, kr, c_buf.index(1 - st), kp_buf.index(1 - st), n0 + BN, end - 1, DL, DR, BN, LD_C, LD_R)
-        else:
-            cp.commit_group()  # an empty group keeps wait_group(1) meaning "block j has landed"
-        cp.wait_group(1)
+        cp.wait_group(0)  # block j (and, first, the queries) landed for this thread's copies
         fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
-        gl.thread_barrier()
+        gl.thread_barrier()  # ... for every thread's copies; and every warpgroup is done with block j - 1 and P
+        if j + 1 < n_blocks:  # into the stage block j - 1 held, in flight while block j is computed
+            _issue(kv, kr, c_buf.index(1 - st), kp_buf.index(1 - st), n0 + BN, end - 1, DL, DR, BN, LD_C, LD_R)
         c_s = c_buf.index(st)
         s = warpgroup_mma(q_n, c_s.permute((1, 0)), gl.zeros([BM, BN], gl.float32, S_L), is_async=True)
         s = warpgroup_mma(q_r, kp_buf.index(st).permute((1, 0)), s, is_async=True)
@@ -109,7 +108,7 @@ def mla_rows_sm90(qn_ptr, qr_ptr, ckv_ptr, kpe_ptr, ctx_ptr, mask_ptr, o_ptr, ls
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row may have seen no key yet
         p = gl.exp2(s - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, 1)
+        l_2d = l_2d * alpha[:, None] + p
         m_i = m_new
         acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
         p_buf.store(p.to(gl.bfloat16))
@@ -117,8 +116,8 @@ def mla_rows_sm90(qn_ptr, qr_ptr, ckv_ptr, kpe_ptr, ctx_ptr, mask_ptr, o_ptr, ls
         gl.thread_barrier()
         acc = warpgroup_mma(p_buf, c_s, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        gl.thread_barrier()  # stage st and P are free for the next block
-    cp.wait_group(0)
+    cp.wait_group(0)  # no block at all: the queries' copies
+    l_i = gl.sum(l_2d, 1)
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     out = acc / gl.convert_layout(l_safe, ROW_O)[:, None]
     ro = pid_m * BM + gl.arange(0, BM, layout=ROW_O)

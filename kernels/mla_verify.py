@@ -45,7 +45,7 @@ class Config(NamedTuple):
 # entry maps a row class to its Config: "small" when a sequence has at most 16 query rows (decode
 # at TP-8), "rows" otherwise. kernels/NOTES.md section 2 has the sweep they come from.
 CONFIGS: dict[tuple[int, int] | None, dict[str, Config]] = {
-    (9, 0): {"rows": Config("triton", 64, 64, 8, 2), "small": Config("triton", 16, 64, 4, 3)},
+    (9, 0): {"rows": Config("gluon", 64, 64, 8, 1), "small": Config("triton", 16, 64, 4, 3)},
     None: {"rows": Config("triton", 64, 64, 8, 2), "small": Config("triton", 16, 64, 4, 2)},
 }
 # Split planner's cost model, in units of one key block's time for one row tile: a program's fixed
