@@ -1,4 +1,4 @@
-"""MLA tree-verify attention, absorbed form, in Triton: tokens x heads packed into the MMA's rows.
+"""MLA tree-verify attention, absorbed form: tokens x heads packed into the MMA's rows.
 
 A sequence's T query tokens x H heads are R = T * H rows (row r = token r // H, head r % H, the
 layout q already has). One program = (tile of BM rows, one split of the key range, sequence b):
@@ -10,6 +10,8 @@ with no mask and no bounds; only the blocks from the last whole prefix block on 
 tile stops at its last token's own key. Splits of the key range are planned on the host from sizes
 alone (no sync) to fill the chip; a combine kernel merges them by log-sum-exp in a fixed order, so
 results do not depend on scheduling. T = 1 with mask [[True]] is plain decode through the same path.
+Two kernels compute this: `_mla_rows` here (tl.dot; every GPU and the CPU interpreter) and, on
+sm_90, mla_gluon.py's (the same programs with the MMA layouts written out); `CONFIGS` picks.
 """
 
 from __future__ import annotations
