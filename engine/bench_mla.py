@@ -1,18 +1,19 @@
 """Check and time MLA tree verify on one GPU against FlashMLA's figures: `python -m engine.bench_mla --out DIR`.
 
-Ceilings first (engine.timing), then the Triton kernel against the float32 reference with fresh
-random inputs and every buffer it allocates poisoned (NaN), at 8 and 64 heads: real DDTree masks
-(built on the GPU), the all-True mask, plain decode, budget 1024, 128k context, contexts that do
-not divide the key block, forced splits and the causal (chunked prefill) mode. Then timings with
-engine.timing's `time_op` (CUDA-graph replays, L2 evicted by a read before each, medians) at every
-shape of FlashMLA's comparison grid, with the all-True mask so that the work is FlashMLA's; with
-`--flashmla CSV` (shared/data/mla-flashmla-h200.csv) each row carries FlashMLA's time beside ours,
-outside data that is never fitted on; with `--baseline FILE` (an older kernels/mla_verify.py, e.g.
-`git show 4a06ed9:kernels/mla_verify.py`) that kernel is timed at the same shapes. `--sweep` times
-tile configs and split counts at a few shapes (the table in kernels/mla_verify.py comes from it).
-Writes DIR/mla_check.csv, DIR/mla_time.csv (one row a kernel a shape, each written as it is
-measured) and prints the time table last; `--deadline-s` bounds the run and the points it could not
-reach are written as skipped.
+Ceilings first (engine.timing), then the kernel configs `--check` names against the float32 reference
+(and a float64 one, to tell a kernel's error from the reference's) with inputs seeded per case and
+every buffer the kernel allocates poisoned (NaN), at 8 and 64 heads: real DDTree masks (built on the
+GPU), the all-True mask, plain decode, budget 1024, 128k context, contexts that do not divide the key
+block, forced splits and the causal (chunked prefill) mode. Then the kernels `--kernels` names, timed
+with engine.timing's `time_op` (CUDA-graph replays, L2 evicted by a read before each, medians) at
+every shape of FlashMLA's comparison grid, each on the same inputs, with the all-True mask so that the
+work is FlashMLA's; with `--flashmla CSV` (shared/data/mla-flashmla-h200.csv) each row carries
+FlashMLA's time beside ours, outside data that is never fitted on; with `--baseline FILE` (an older
+kernels/mla_verify.py, e.g. `git show 4a06ed9:kernels/mla_verify.py`) that kernel is timed too.
+`--sweep` times tile configs and split counts at a few shapes (the table in kernels/mla_verify.py
+comes from it). Writes DIR/mla_check.csv, DIR/mla_time.csv, ... (each row written as it is measured,
+added to what DIR holds) and prints the time table last; `--deadline-s` bounds the timing, and the
+points it could not reach are written as skipped.
 """
 
 from __future__ import annotations
@@ -114,24 +115,33 @@ def inputs(heads: int, batch: int, t: int, ctx: list[int], mask: str, s: int | N
 
 
 def check(out: Out, configs: list[mla_verify.Config | None]) -> None:
-    """Each CHECKS case with each config (None: the table's pick), every buffer the kernel allocates NaN."""
-    for heads, batch, t, ctx, mask, kw in CHECKS:
+    """Each CHECKS case with each config (None: the table's pick), every buffer the kernel allocates NaN.
+
+    Inputs are seeded by the case's index (two runs check the same inputs); the error is against the
+    float32 reference (the bound, 1e-2) and, to tell a kernel's error from the reference's, against
+    float64; `worst_seq` is the sequence with the largest float32 error."""
+    for i, (heads, batch, t, ctx, mask, kw) in enumerate(CHECKS):
+        torch.manual_seed(1000 + i)
         args = inputs(heads, batch, t, ctx, mask)
         causal = mask == "causal"
         want = reference.mla_tree_attention(*args, SCALE, causal=causal)
+        exact = reference.mla_tree_attention(*args, SCALE, causal=causal, compute_dtype=torch.float64)
         for cfg in configs:
             poisoned(mla_verify)
-            error = ""
+            error, seqs, err64 = "", [float("inf")], float("inf")
             try:
-                err = rel_err(mla_verify.mla_tree_attention(*args, SCALE, causal=causal, config=cfg, **kw), want)
+                got = mla_verify.mla_tree_attention(*args, SCALE, causal=causal, config=cfg, **kw)
+                seqs = [rel_err(got[b], want[b]) for b in range(batch)]
+                err, err64 = rel_err(got, want), rel_err(got, exact)
             except Exception as e:  # recorded; the other cases still run
                 err, error = float("inf"), f"{type(e).__name__}: {e}"[:200]
             finally:
                 unpoisoned(mla_verify)
             out("mla_check", config=" ".join(map(str, cfg)) if cfg else "auto", heads=heads, batch=batch, T=t,
                 ctx=" ".join(map(str, ctx)), mask=mask, splits=kw.get("splits", "plan"), rel_err=err, ok=err < 1e-2,
-                error=error)
-        del args, want
+                rel_err_f64=err64, ref_f32_vs_f64=rel_err(want, exact), worst_seq=max(range(len(seqs)), key=seqs.__getitem__),
+                worst_seq_err=max(seqs), error=error)
+        del args, want, exact
     torch.cuda.empty_cache()
 
 

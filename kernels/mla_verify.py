@@ -45,14 +45,16 @@ class Config(NamedTuple):
 
 # Configs keyed by CUDA capability; None is the default (other GPUs and the CPU interpreter). Each
 # entry maps a row class to its Config: "small" when a sequence has at most 16 query rows (decode
-# at TP-8), "rows" otherwise. kernels/NOTES.md section 2 has the sweep they come from.
+# at TP-8), "rows" otherwise. The sm_90 "rows" pick is the faster of the two kernels at every shape
+# timed (kernels/NOTES.md section 2); the "small" configs are checked on the GPU but not yet timed.
 CONFIGS: dict[tuple[int, int] | None, dict[str, Config]] = {
     (9, 0): {"rows": Config("gluon", 64, 64, 8, 1), "small": Config("triton", 16, 64, 4, 3)},
     None: {"rows": Config("triton", 64, 64, 8, 2), "small": Config("triton", 16, 64, 4, 2)},
 }
 # Split planner's cost model, in units of one key block's time for one row tile: a program's fixed
 # cost (load its queries, write its rows), the extra of writing fp32 partials, the combine's
-# launch, and its read of one (tile, split)'s partials spread over the chip.
+# launch, and its read of one (tile, split)'s partials spread over the chip. Set by estimate, not
+# fitted (the times in NOTES section 2 are of the plans these make).
 FIXED_BLOCKS, PARTIAL_BLOCKS, COMBINE_BLOCKS, COMBINE_PER_PART = 2.0, 1.0, 2.0, 0.02
 MAX_SPLITS = 128
 SPLIT_GAIN = 0.03  # splitting costs partials' memory: it must save this fraction of the time
