@@ -11,6 +11,7 @@ on CUDA also carry host_us, the host's time of one eager call.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,8 +33,9 @@ class KernelProfile:
     moe_m: tuple[int, ...]
     moe_torch_m: tuple[int, ...]  # where the torch reference is timed too
     moe_tp_m: tuple[int, ...]  # M of the TP-8 shard sweep (each expert's intermediate / 8): rows with tp 8
-    attn: tuple[tuple[int, int, int], ...]  # (batch, budget, context)
+    attn: tuple[tuple[int, int, int], ...]  # (batch, budget, context), all heads
     attn_torch: tuple[tuple[int, int, int], ...]
+    attn_tp: tuple[tuple[int, int, int], ...]  # the same at one rank of TP-8 (heads / 8): rows with tp 8
     tree: tuple[tuple[int, int], ...]  # (batch, budget)
     dense_m: tuple[int, ...]  # M of every dense op (engine.costs.dense_ops) ...
     dense_tp: tuple[int, ...]  # ... at these TP degrees (a replicated op's shape is timed once, at the lowest)
@@ -41,25 +43,34 @@ class KernelProfile:
     torch_repeats: int
 
 
+def _attn_sweep(batch_1024: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """(batch, budget, context) of the MLA sweep: FlashMLA's comparison grid (batch 1 / 8 / 16, budget
+    16 / 64 / 256, context 4k-64k) plus a short context, budget 1024 and 128k context at the extremes."""
+    grid = [(b, n, c) for b in (1, 8, 16) for n in (16, 64, 256) for c in (1024, 4096, 16384, 32768, 65536)]
+    return tuple(grid + [(b, 1024, c) for b in batch_1024 for c in (4096, 32768)]
+                 + [(b, n, 131072) for b in (1, 16) for n in (16, 256)])
+
+
 PROFILES: dict[tuple[str, str], KernelProfile] = {
     ("cuda", "full"): KernelProfile(
         K2, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), (1, 32),
         (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
-        tuple((b, n, c) for b in (1, 8) for n in (16, 64, 256, 1024) for c in (1024, 8192, 32768, 65536)),
-        ((1, 64, 8192), (8, 64, 8192), (1, 256, 8192)),
+        _attn_sweep((1, 8)), ((1, 64, 8192), (8, 64, 8192), (1, 256, 8192)), _attn_sweep((1, 16)),
         tuple((b, n) for b in (1, 16) for n in (16, 64, 256, 1024)), (1, 16, 64, 256, 1024, 4096), (1, 8),
         repeats=50, torch_repeats=5),
     ("cuda", "smoke"): KernelProfile(
-        K2, (1, 16, 128), (16,), (1, 128), ((1, 16, 4096), (1, 256, 4096)), ((1, 64, 4096),),
+        K2, (1, 16, 128), (16,), (1, 128), ((1, 16, 4096), (1, 256, 4096)), ((1, 64, 4096),), ((16, 64, 32768),),
         ((1, 64), (16, 256)), (1, 256), (1, 8), repeats=10, torch_repeats=3),
     ("cpu", "full"): KernelProfile(
         K2_MINI, (1, 2, 4, 8, 16, 32, 64, 128), (), (),
-        tuple((b, n, c) for b in (1, 4) for n in (16, 64, 256) for c in (256, 1024)), (),
+        tuple((b, n, c) for b in (1, 4) for n in (16, 64, 256) for c in (256, 1024)), (), (),
         tuple((b, n) for b in (1, 8) for n in (16, 64, 256)), (1, 16, 64), (1, 2), repeats=10, torch_repeats=3),
     ("cpu", "smoke"): KernelProfile(
-        K2_MINI, (1, 8, 32), (), (), ((1, 16, 128), (2, 64, 256)), (), ((1, 16), (4, 64)), (1, 16), (1, 2),
+        K2_MINI, (1, 8, 32), (), (), ((1, 16, 128), (2, 64, 256)), (), (), ((1, 16), (4, 64)), (1, 16), (1, 2),
         repeats=5, torch_repeats=3),
 }
+POINT_S = 0.25  # a point's timed repeats stop near this many seconds (never under MIN_REPEATS)
+MIN_REPEATS = 5
 
 
 def resolved_impl(impl: str, module: str, device: torch.device) -> str:
@@ -107,6 +118,9 @@ class KernelBench:
         for b, n, c in p.attn_torch:
             pts.append((f"mla_tree_attention Bt={b} B={n} ctx={c} torch",
                         lambda b=b, n=n, c=c: self.attention(b, n, c, "torch")))
+        for b, n, c in p.attn_tp:
+            pts.append((f"mla_tree_attention Bt={b} B={n} ctx={c} tp=8",
+                        lambda b=b, n=n, c=c: self.attention(b, n, c, "auto", tp=8)))
         for b, n in p.tree:
             pts.append((f"build_tree Bt={b} B={n}", lambda b=b, n=n: self.tree_build(b, n)))
         for b, n in p.tree:
@@ -140,7 +154,7 @@ class KernelBench:
             w = self.ini.linear(op.n, op.k).to(dtype)
             x = self.ini.normal(m, op.k, std=1.0).to(dtype)
             fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
-        t = time_op(fn, self.dev, self.p.repeats)
+        t = time_op(fn, self.dev, budgeted_repeats(fn, self.dev, self.p.repeats))
         return {"kernel": "dense_gemm", "op": op.name, "impl": "torch", "dtype": str(dtype).removeprefix("torch."),
                 "device": self.dev.type, "M": m, "N": op.n, "K": op.k, "batch": op.heads, "tp": tp,
                 **_timing_cols(t, *dense_op_cost(op, m, x.element_size()))}
@@ -223,11 +237,12 @@ class KernelBench:
                 **_timing_cols(t, *tree_accept_cost(self.p.cfg, batch, budget))}  # flops: one compare per node
 
     # ------------------------------------------------------------------ attention
-    def attention_inputs(self, batch: int, budget: int, context: int) -> tuple:
-        """Latent queries for B+1 tree tokens over a context-row prefix, with a real DDTree mask."""
+    def attention_inputs(self, batch: int, budget: int, context: int, tp: int = 1) -> tuple:
+        """Latent queries for B+1 tree tokens over a context-row prefix, with a real DDTree mask;
+        heads / tp of them (one rank of TP-tp: the latent cache is whole on every rank)."""
         c = self.p.cfg
         n = budget + 1
-        hh, dl, dr = c.heads, c.kv_lora, c.rope_dim
+        hh, dl, dr = c.heads // tp, c.kv_lora, c.rope_dim
         q_nope = self.ini.normal(batch, n, hh, dl, std=1.0)
         q_rope = self.ini.normal(batch, n, hh, dr, std=1.0)
         ckv = self.ini.normal(batch, context + n, dl, std=1.0)
@@ -235,20 +250,32 @@ class KernelBench:
         lens = torch.full((batch,), context, dtype=torch.int64, device=self.dev)
         return q_nope, q_rope, ckv, kpe, lens, self.tree(batch, budget).mask, 1.0 / (c.qk_dim ** 0.5)
 
-    def attention(self, batch: int, budget: int, context: int, impl: str) -> Row:
+    def attention(self, batch: int, budget: int, context: int, impl: str, tp: int = 1) -> Row:
         c = self.p.cfg
-        hh, dl, dr = c.heads, c.kv_lora, c.rope_dim
-        q_nope, q_rope, ckv, kpe, lens, mask, scale = self.attention_inputs(batch, budget, context)
+        q_nope, q_rope, ckv, kpe, lens, mask, scale = self.attention_inputs(batch, budget, context, tp)
         if impl == "torch":  # the plain-PyTorch baseline, in the input dtype
             fn = lambda: reference.mla_tree_attention(q_nope, q_rope, ckv, kpe, lens, mask, scale,  # noqa: E731
                                                       compute_dtype=self.dtype)
             reps = self.p.torch_repeats
         else:
             fn = lambda: ops.mla_tree_attention(q_nope, q_rope, ckv, kpe, lens, mask, scale)  # noqa: E731
-            reps = self.p.repeats
+            reps = budgeted_repeats(fn, self.dev, self.p.repeats)
         t = time_op(fn, self.dev, reps)
-        nbytes, flops = mla_cost(c, batch, budget, context, q_nope.element_size())
+        nbytes, flops = mla_cost(c, batch, budget, context, q_nope.element_size(), tp)
         return {"kernel": "mla_tree_attention", "impl": resolved_impl(impl, "mla_verify", self.dev),
                 "dtype": str(self.dtype).removeprefix("torch."), "device": self.dev.type,
-                "budget": budget, "context": context, "batch": batch, "N": hh, "K": dl + dr,
-                **_timing_cols(t, nbytes, flops)}
+                "budget": budget, "context": context, "batch": batch, "N": q_nope.shape[2],
+                "K": c.kv_lora + c.rope_dim, "tp": tp, **_timing_cols(t, nbytes, flops)}
+
+
+def budgeted_repeats(fn: Callable[[], object], device: torch.device, repeats: int) -> int:
+    """Repeats that keep a long point near POINT_S seconds of timed calls (one untimed call measures it;
+    it also compiles), at least MIN_REPEATS; short points keep the profile's repeats."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return max(MIN_REPEATS, min(repeats, int(POINT_S / max(time.perf_counter() - t0, 1e-9))))

@@ -53,6 +53,10 @@ COMPARE_M = (1, 16, 128, 512)
 MOE_TP = (1, 8)  # the MoE's shapes: the full experts and one TP-8 rank's shard
 
 
+# Chunked-prefill shapes of MLA's causal mode at one TP-8 rank: (batch, chunk tokens, prefix)
+MLA_CAUSAL = ((1, 1024, 3000), (2, 300, 5001))
+
+
 def moe_shapes(p: KernelProfile, e2e_m: set[int]) -> list[tuple[int, int, bool]]:
     """(tp, M, compare?) of the MoE check: the full shapes at the kernel suite's and the e2e suite's M,
     then one TP-8 rank's shard at the shard sweep's M (its own configs)."""
@@ -71,10 +75,16 @@ def cases(kb: KernelBench, device: torch.device) -> dict[str, list[tuple[Callabl
             x, ids, tw = kb.moe_inputs(m)
             return ops.moe_w4a16(x, *kb.moe_weights(tp), ids, tw, impl=impl)
         out["moe_w4a16"].append((moe, compare))
-    for b, n, c in p.attn:
-        def att(impl: str, b: int = b, n: int = n, c: int = c) -> Any:
-            return ops.mla_tree_attention(*kb.attention_inputs(b, n, c), impl=impl)
-        out["mla_tree_attention"].append((att, c <= 8192 and n <= 256))
+    for tp, shapes in ((1, p.attn), (8, p.attn_tp)):
+        for b, n, c in shapes:
+            def att(impl: str, b: int = b, n: int = n, c: int = c, tp: int = tp) -> Any:
+                return ops.mla_tree_attention(*kb.attention_inputs(b, n, c, tp), impl=impl)
+            out["mla_tree_attention"].append((att, c <= 4096 and n <= 256 and b * n <= 1024))
+    for b, n, c in MLA_CAUSAL if device.type == "cuda" else ():
+        def chunk(impl: str, b: int = b, n: int = n, c: int = c) -> Any:
+            *args, _, scale = kb.attention_inputs(b, n - 1, c, 8)
+            return ops.mla_tree_attention(*args, None, scale, impl=impl, causal=True)
+        out["mla_tree_attention"].append((chunk, True))
     for b, n in p.tree:
         out["build_tree"].append((lambda impl, b=b, n=n: ops.build_tree(*kb.draft(b), n, impl=impl), True))
         out["tree_accept"].append((lambda impl, b=b, n=n: ops.tree_accept(*kb.accept_inputs(b, n), impl=impl), True))

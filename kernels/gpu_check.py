@@ -1,4 +1,5 @@
-"""Check and time the Triton kernels at K2 shapes on one GPU: `python -m kernels.gpu_check --out DIR`.
+"""Check and time the MoE and tree kernels at K2 shapes on one GPU: `python -m kernels.gpu_check --out DIR`
+(MLA tree verify has its own: `python -m engine.bench_mla`).
 
 Order: ceilings first (device-to-device copy bandwidth, bf16 matmul rate: engine.timing's), then
 each kernel against its reference in bf16 with fresh random inputs and every kernel-allocated
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import time
 import traceback
 from pathlib import Path
@@ -26,11 +26,10 @@ import torch.nn.functional as F
 import triton
 
 from engine.timing import copy_gbps, matmul_tflops, time_op
-from kernels import mla_verify, moe_gemm, reference, tree_accept, tree_build
+from kernels import moe_gemm, reference, tree_accept, tree_build
 from kernels.reference import Tree
 
 E, H, I, TOPK = 384, 7168, 2048, 8
-HEADS, DL, DR = 64, 512, 64
 
 
 class Log:
@@ -242,65 +241,6 @@ def moe_tc_section(log: Log, bw: float) -> None:
     del sets
 
 
-# ----------------------------------------------------------------------------- MLA
-
-
-def mla_inputs(bt: int, t: int, ctx: list[int], s: int) -> tuple[torch.Tensor, ...]:
-    qn = torch.randn(bt, t, HEADS, DL, device="cuda", dtype=torch.bfloat16)
-    qr = torch.randn(bt, t, HEADS, DR, device="cuda", dtype=torch.bfloat16)
-    ckv = torch.randn(bt, s, DL, device="cuda", dtype=torch.bfloat16)
-    kpe = torch.randn(bt, s, DR, device="cuda", dtype=torch.bfloat16)
-    ctx_lens = torch.tensor(ctx, device="cuda", dtype=torch.int64)
-    if t == 1:
-        mask = torch.ones(bt, 1, 1, dtype=torch.bool, device="cuda")
-    else:
-        lp = F.log_softmax(torch.randn(bt, 16, 64, device="cuda"), -1).topk(8, -1).values
-        tok = torch.randint(0, 1000, (bt, 16, 8), device="cuda")
-        mask = tree_build.build_tree(lp, tok, torch.zeros(bt, dtype=torch.int64, device="cuda"), t - 1).mask
-    return qn, qr, ckv, kpe, ctx_lens, mask
-
-
-def mla_section(log: Log, bw: float, tf: float) -> None:
-    scale = 1.0 / math.sqrt(192)
-    poisoned(mla_verify)
-    for bt, t, ctx, s in ((2, 65, [3000, 7100], 7200), (3, 1, [5000, 1, 8191], 8192), (1, 257, [20000], 20300)):
-        args = mla_inputs(bt, t, ctx, s)
-        out = mla_verify.mla_tree_attention(*args, scale)
-        ref = reference.mla_tree_attention(*args, scale)
-        e = rel_err(out, ref)
-        log(section="mla_check", bt=bt, t=t, ctx=ctx, rel_err=e, ok=e < 1e-2)
-    unpoisoned(mla_verify)
-    cases = [(bt, 65, c) for bt in (1, 8) for c in (8192, 16384, 32768, 65536)] + \
-            [(bt, 1, c) for bt in (1, 8) for c in (8192, 65536)]
-    variants = [{"BN": 64, "num_warps": 8, "num_stages": 2}, {"BN": 64, "num_warps": 8, "num_stages": 3},
-                {"BN": 64, "num_warps": 8, "num_stages": 1}, {"BN": 128, "num_warps": 8, "num_stages": 2},
-                {"BN": 32, "num_warps": 8, "num_stages": 3}]
-    for bt, t, c in cases:
-        if log.time_left() < 40:
-            log(section="mla_time", skipped=[bt, t, c])
-            break
-        args = mla_inputs(bt, t, [c] * bt, c + t)
-        nbytes = bt * (c + t) * (DL + DR) * 2
-        fl = mla_verify.flops(bt, t, HEADS, c, DL, DR)
-        floor_bw, floor_fl = nbytes / bw * 1e6, fl / tf * 1e6
-        tried = variants if (bt, t, c) in ((1, 65, 32768), (8, 1, 65536), (1, 1, 8192)) else [None]
-        for cfg in tried:
-            try:
-                us = bench(lambda: mla_verify.mla_tree_attention(*args, scale, config=cfg))
-            except Exception as exc:
-                log(section="mla_time", bt=bt, t=t, ctx=c, cfg=str(cfg), error=repr(exc)[:200])
-                continue
-            log(section="mla_time", bt=bt, t=t, ctx=c, cfg=str(cfg or mla_verify.CONFIG), us=us,
-                bytes=nbytes, floor_bw_us=floor_bw, floor_flops_us=floor_fl, pct_bw=100 * floor_bw / us,
-                pct_mm_peak=100 * floor_fl / us)
-        if c == 8192 and t == 65:
-            ref_args = args
-            us_ref = bench(lambda: reference.mla_tree_attention(*ref_args, scale, compute_dtype=torch.bfloat16),
-                           graph=False)
-            log(section="mla_ref_sdpa_bf16", bt=bt, t=t, ctx=c, us=us_ref)
-        del args
-
-
 # ----------------------------------------------------------------------------- tree build + accept
 
 
@@ -378,12 +318,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--budget-s", type=float, default=420, help="stop timing sections when this runs out")
-    ap.add_argument("--only", default="moetc,mla,tree", help="comma list of sections (moetc, mla, tree)")
+    ap.add_argument("--only", default="moetc,tree", help="comma list of sections (moetc, tree)")
     a = ap.parse_args()
     log = Log(a.out, time.time() + a.budget_s)
-    bw, tf = ceilings(log)
-    sections = {"tree": lambda: tree_section(log), "moetc": lambda: moe_tc_section(log, bw),
-                "mla": lambda: mla_section(log, bw, tf)}
+    bw, _ = ceilings(log)
+    sections = {"tree": lambda: tree_section(log), "moetc": lambda: moe_tc_section(log, bw)}
     for name in a.only.split(","):
         t0 = time.time()
         try:

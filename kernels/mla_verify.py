@@ -1,143 +1,243 @@
-"""MLA tree-verify attention, absorbed form, split-KV (flash-decoding) in Triton.
+"""MLA tree-verify attention, absorbed form: tokens x heads packed into the MMA's rows.
 
-One program = (sequence b, tree token t, one split of the key range [0, ctx_b + T)); its rows are
-all Hh heads of that token, so every latent row it loads serves all heads at once. Prefix keys are
-visible to every tree token; a key at ctx_b + u is visible iff tree_mask[b, t, u]. Each program
-keeps a running max / sum / [Hh, 512] accumulator; a combine kernel merges the splits by
-log-sum-exp. T = 1 with mask [[True]] is plain decode through the same path.
-
-At B = 64 with 64 heads the work is 4160 query rows per latent row: the kernel is bound by matmul
-rate, not by the cache bytes (NOTES.md has the roofline).
+A sequence's T query tokens x H heads are R = T * H rows (row r = token r // H, head r % H, the
+layout q already has). One program = (tile of BM rows, one split of the key range, sequence b):
+every latent block it loads serves all BM rows, so the cache is read ceil(R / BM) times a sequence
+(at H = 8, BM = 64: once per 8 tokens), not once per token. QK^T runs over 512 + 64, PV over the
+same latent tile. Keys below the tree (the prefix) are visible to every row and go through a loop
+with no mask and no bounds; only the blocks from the last whole prefix block on see the tree mask
+(key ctx_b + u is visible to token t iff tree_mask[b, t, u]) or, with causal=True, u <= t, where a
+tile stops at its last token's own key. Splits of the key range are planned on the host from sizes
+alone (no sync) to fill the chip; a combine kernel merges them by log-sum-exp in a fixed order, so
+results do not depend on scheduling. T = 1 with mask [[True]] is plain decode through the same path.
+Two kernels compute this: `_mla_rows` here (tl.dot; every GPU and the CPU interpreter) and, on
+sm_90, mla_gluon.py's (the same programs with the MMA layouts written out); `CONFIGS` picks.
 """
 
 from __future__ import annotations
+
+from functools import cache
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+try:  # Gluon (triton.experimental) ships with Triton 3.6; without it the tl.dot kernel runs everywhere
+    from kernels import mla_gluon
+except ImportError:
+    mla_gluon = None
+
 LOG2E = 1.4426950408889634  # scores go through exp2
-CONFIG = {"BN": 64, "num_warps": 8, "num_stages": 2}
-TARGET_PROGRAMS = 264  # ~2 waves on a 132-SM H200
+
+
+class Config(NamedTuple):
+    """A tile config: which kernel ("triton": tl.dot, any backend and the interpreter; "gluon": the
+    sm_90 kernel of mla_gluon.py, bf16, BM = BN = 64, 8 warps), its row and key tiles, warps, stages."""
+
+    kernel: str
+    bm: int
+    bn: int
+    warps: int
+    stages: int
+
+
+# Configs keyed by CUDA capability; None is the default (other GPUs and the CPU interpreter). Each
+# entry maps a row class to its Config: "small" when a sequence has at most 16 query rows (decode
+# at TP-8), "rows" otherwise. The sm_90 "rows" pick is the faster of the two kernels at every shape
+# timed (kernels/NOTES.md section 2); the "small" configs are checked on the GPU but not yet timed.
+CONFIGS: dict[tuple[int, int] | None, dict[str, Config]] = {
+    (9, 0): {"rows": Config("gluon", 64, 64, 8, 1), "small": Config("triton", 16, 64, 4, 3)},
+    None: {"rows": Config("triton", 64, 64, 8, 2), "small": Config("triton", 16, 64, 4, 2)},
+}
+# Split planner's cost model, in units of one key block's time for one row tile: a program's fixed
+# cost (load its queries, write its rows), the extra of writing fp32 partials, the combine's
+# launch, and its read of one (tile, split)'s partials spread over the chip. Set by estimate, not
+# fitted (the times in NOTES section 2 are of the plans these make).
+FIXED_BLOCKS, PARTIAL_BLOCKS, COMBINE_BLOCKS, COMBINE_PER_PART = 2.0, 1.0, 2.0, 0.02
+MAX_SPLITS = 128
+SPLIT_GAIN = 0.03  # splitting costs partials' memory: it must save this fraction of the time
 
 
 @triton.jit
-def _mla_split(qn_ptr, qr_ptr, ckv_ptr, kpe_ptr, ctx_ptr, mask_ptr, o_ptr, lse_ptr,
-               qk_scale, T, Hh, S, chunk, n_splits,
-               DL: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-               ONE_SPLIT: tl.constexpr):
-    pid_bt = tl.program_id(0)
+def _attend(acc, m_i, l_i, qn, qr, c, kp, vis, qk_scale, MASKED: tl.constexpr):
+    """One key block of online softmax: scores, running max / sum, accumulator update."""
+    s = (tl.dot(qn, tl.trans(c)) + tl.dot(qr, tl.trans(kp))) * qk_scale
+    if MASKED:
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:  # a row may have seen no key yet: keep exp2 away from -inf - -inf
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _mla_rows(qn_ptr, qr_ptr, ckv_ptr, kpe_ptr, ctx_ptr, mask_ptr, o_ptr, lse_ptr,
+              qk_scale, T, S, chunk, n_splits,
+              H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              CAUSAL: tl.constexpr, ONE_SPLIT: tl.constexpr):
+    pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
-    b = pid_bt // T
-    t = pid_bt % T
+    b = tl.program_id(2)
+    rows = T * H
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
-    start = pid_s * chunk
-    end = tl.minimum(tl.minimum(start + chunk, ctx + T), S)  # the tree sits inside the cache
-    rh = tl.arange(0, BH)
-    hmask = rh < Hh
+    rm = pid_m * BM + tl.arange(0, BM)
+    rval = rm < rows
+    tok = rm // H
+    row = b.to(tl.int64) * rows + rm
     rdl = tl.arange(0, DL)
     rdr = tl.arange(0, DR)
-    qrow = pid_bt.to(tl.int64) * Hh + rh
-    qn = tl.load(qn_ptr + qrow[:, None] * DL + rdl[None, :], mask=hmask[:, None], other=0.0)
-    qr = tl.load(qr_ptr + qrow[:, None] * DR + rdr[None, :], mask=hmask[:, None], other=0.0)
-    m_i = tl.full((BH,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BH,), tl.float32)
-    acc = tl.zeros((BH, DL), tl.float32)
-    kv_base = b.to(tl.int64) * S
-    mrow = mask_ptr + (b.to(tl.int64) * T + t) * T
-    for n0 in range(start, end, BN):
+    qn = tl.load(qn_ptr + row[:, None] * DL + rdl[None, :], mask=rval[:, None], other=0.0)
+    qr = tl.load(qr_ptr + row[:, None] * DR + rdr[None, :], mask=rval[:, None], other=0.0)
+    start = pid_s * chunk
+    end = tl.minimum(tl.minimum(start + chunk, ctx + T), S)  # the tree sits inside the cache
+    if CAUSAL:  # no row of this tile sees past its last token's own key
+        end = tl.minimum(end, ctx + tl.minimum((pid_m * BM + BM - 1) // H, T - 1) + 1)
+    prefix_end = start + tl.maximum(tl.minimum(end, ctx) - start, 0) // BN * BN
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, DL), tl.float32)
+    kv = ckv_ptr + b.to(tl.int64) * S * DL
+    kr = kpe_ptr + b.to(tl.int64) * S * DR
+    for n0 in range(start, prefix_end, BN):  # whole prefix blocks: every key visible to every row
+        rn = n0 + tl.arange(0, BN)
+        c = tl.load(kv + rn[:, None] * DL + rdl[None, :])
+        kp = tl.load(kr + rn[:, None] * DR + rdr[None, :])
+        acc, m_i, l_i = _attend(acc, m_i, l_i, qn, qr, c, kp, None, qk_scale, MASKED=False)
+    mrow = mask_ptr + (b.to(tl.int64) * T + tok) * T
+    for n0 in range(prefix_end, end, BN):  # the prefix's tail block and the tree
         rn = n0 + tl.arange(0, BN)
         kval = rn < end
-        c = tl.load(ckv_ptr + (kv_base + rn)[:, None] * DL + rdl[None, :], mask=kval[:, None], other=0.0)
-        kp = tl.load(kpe_ptr + (kv_base + rn)[:, None] * DR + rdr[None, :], mask=kval[:, None], other=0.0)
-        s = tl.dot(qn, tl.trans(c)) + tl.dot(qr, tl.trans(kp))
+        c = tl.load(kv + rn[:, None] * DL + rdl[None, :], mask=kval[:, None], other=0.0)
+        kp = tl.load(kr + rn[:, None] * DR + rdr[None, :], mask=kval[:, None], other=0.0)
         rel = rn - ctx
-        in_tree = kval & (rel >= 0)
-        tm = tl.load(mrow + rel, mask=in_tree, other=0).to(tl.int1)
-        vis = kval & ((rel < 0) | tm)
-        s = tl.where(vis[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
-        m_i = m_new
+        if CAUSAL:
+            seen = rel[None, :] <= tok[:, None]
+        else:
+            in_tree = rval[:, None] & (kval & (rel >= 0))[None, :]
+            seen = tl.load(mrow[:, None] + rel[None, :], mask=in_tree, other=0).to(tl.int1)
+        vis = kval[None, :] & ((rel < 0)[None, :] | seen)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, qn, qr, c, kp, vis, qk_scale, MASKED=True)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     if ONE_SPLIT:
-        tl.store(o_ptr + qrow[:, None] * DL + rdl[None, :], out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(o_ptr + row[:, None] * DL + rdl[None, :], out.to(o_ptr.dtype.element_ty), mask=rval[:, None])
     else:
-        prow = (pid_bt.to(tl.int64) * n_splits + pid_s) * Hh + rh
-        tl.store(o_ptr + prow[:, None] * DL + rdl[None, :], out, mask=hmask[:, None])
+        prow = row * n_splits + pid_s
+        tl.store(o_ptr + prow[:, None] * DL + rdl[None, :], out, mask=rval[:, None])
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(lse_ptr + prow, lse, mask=hmask)
+        tl.store(lse_ptr + prow, lse, mask=rval)
 
 
 @triton.jit
-def _mla_combine(part_ptr, lse_ptr, o_ptr, Hh, n_splits, DL: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr):
-    """o[bt, h, d-chunk] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); one program per chunk."""
-    pid = tl.program_id(0)
-    bt = pid // Hh
-    h = pid % Hh
+def _mla_combine(part_ptr, lse_ptr, o_ptr, n_splits, DL: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr):
+    """o[row, d-chunk] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), splits in a fixed order."""
+    row = tl.program_id(0).to(tl.int64)
     rs = tl.arange(0, NSP)
     smask = rs < n_splits
-    rows = (bt.to(tl.int64) * n_splits + rs) * Hh + h
-    lse = tl.load(lse_ptr + rows, mask=smask, other=float("-inf"))
+    prow = row * n_splits + rs
+    lse = tl.load(lse_ptr + prow, mask=smask, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
     w = w / tl.sum(w, 0)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
-    o = tl.load(part_ptr + rows[:, None] * DL + rd[None, :], mask=smask[:, None], other=0.0)
-    tl.store(o_ptr + pid.to(tl.int64) * DL + rd, tl.sum(o * w[:, None], 0).to(o_ptr.dtype.element_ty))
+    o = tl.load(part_ptr + prow[:, None] * DL + rd[None, :], mask=smask[:, None], other=0.0)
+    tl.store(o_ptr + row * DL + rd, tl.sum(o * w[:, None], 0).to(o_ptr.dtype.element_ty))
 
 
-def plan_splits(programs: int, s: int, bn: int, target: int = TARGET_PROGRAMS) -> tuple[int, int]:
-    """(splits, keys per split) from host-known sizes: enough programs to fill the chip."""
-    splits = max(1, min(triton.cdiv(target, programs), triton.cdiv(s, 4 * bn)))
-    chunk = triton.cdiv(triton.cdiv(s, splits), bn) * bn
-    return triton.cdiv(s, chunk), chunk
+@cache
+def sm_count(device: torch.device) -> int:
+    """The device's SMs, for the split plan; an H200's 132 off the GPU (the interpreter's tests)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def pick_config(device: torch.device, rows: int, dtype: torch.dtype) -> Config:
+    """The Config for a sequence of `rows` query rows on `device` (the default where a table entry's
+    kernel cannot run these inputs)."""
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    cls = "small" if rows <= 16 else "rows"
+    cfg = CONFIGS.get(cap, CONFIGS[None])[cls]
+    return cfg if cfg.kernel == "triton" or gluon_ok(device, dtype) else CONFIGS[None][cls]
+
+
+def gluon_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the sm_90 Gluon kernel can run here: Gluon imported, a Hopper GPU, bf16 inputs."""
+    return (mla_gluon is not None and device.type == "cuda" and dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def plan_splits(tiles: int, s: int, bn: int, sms: int) -> tuple[int, int]:
+    """(splits, keys per split) for `tiles` row tiles over an `s`-key cache, from host-known sizes.
+
+    Cost in key blocks: waves of one program per SM (a tile's latent and query tiles fill its
+    shared memory) times the blocks of a split plus a program's fixed cost, plus, when split, the
+    partials' write and the combine pass. Ties go to fewer splits.
+    """
+    blocks = triton.cdiv(s, bn)
+    best = (float("inf"), 1, blocks)
+    for want in range(1, min(blocks, MAX_SPLITS) + 1):  # a split must save SPLIT_GAIN over one pass
+        per = triton.cdiv(blocks, want)
+        n = triton.cdiv(blocks, per)
+        if n != want:
+            continue
+        split = n > 1
+        cost = triton.cdiv(tiles * n, sms) * (per + FIXED_BLOCKS + PARTIAL_BLOCKS * split)
+        cost += split * (COMBINE_BLOCKS + COMBINE_PER_PART * tiles * n)
+        if cost < best[0] * (1.0 - SPLIT_GAIN * (split and best[1] == 1)):
+            best = (cost, n, per)
+    return best[1], best[2] * bn
 
 
 def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor, ctx_lens: Tensor,
-                       tree_mask: Tensor, sm_scale: float, config: dict | None = None,
-                       splits: int | None = None) -> Tensor:
-    """Triton MLA tree verify; `config` / `splits` override the defaults for the tuning sweep."""
-    cfg = {**CONFIG, **(config or {})}
+                       tree_mask: Tensor | None, sm_scale: float, causal: bool = False,
+                       config: Config | None = None, splits: int | None = None) -> Tensor:
+    """MLA tree verify (or, with causal=True, a chunk of prompt tokens over the prefix and causally
+    among themselves; tree_mask is then ignored and may be None). `config` and `splits` override
+    the table and the planner for the tuning sweep."""
     bt, t, hh, dl = q_nope.shape
     dr = q_rope.shape[-1]
     s = ckv.shape[1]
     if dl & (dl - 1) or dr & (dr - 1):
         raise ValueError(f"mla_tree_attention: latent {dl} and rope {dr} must be powers of two")
-    bn = cfg["BN"]
+    if not causal and tree_mask is None:
+        raise ValueError("mla_tree_attention: a tree mask is needed unless causal=True")
+    rows = t * hh
+    cfg = config or pick_config(q_nope.device, rows, q_nope.dtype)
+    if cfg.kernel == "gluon" and not (gluon_ok(q_nope.device, q_nope.dtype) and (cfg.bm, cfg.bn, cfg.warps) ==
+                                      (64, 64, mla_gluon.NUM_WARPS.value)):
+        raise ValueError(f"mla_tree_attention: {cfg} needs Gluon, an sm_90 GPU, bf16 and BM = BN = 64, 8 warps")
+    tiles = triton.cdiv(rows, cfg.bm)
     if splits is None:
-        n_splits, chunk = plan_splits(bt * t, s, bn)
+        n_splits, chunk = plan_splits(bt * tiles, s, cfg.bn, sm_count(q_nope.device))
     else:
-        chunk = triton.cdiv(triton.cdiv(s, splits), bn) * bn
+        chunk = triton.cdiv(triton.cdiv(s, splits), cfg.bn) * cfg.bn
         n_splits = triton.cdiv(s, chunk)
     qn, qr = q_nope.contiguous(), q_rope.contiguous()
     ckv, kpe = ckv.contiguous(), kpe.contiguous()
-    mask = tree_mask.to(torch.int8).contiguous()
+    mask = ctx_lens if causal else tree_mask.to(torch.int8).contiguous()  # causal: never read
     out = torch.empty_like(qn)
-    bh = max(16, triton.next_power_of_2(hh))
     one = n_splits == 1
     if one:
         part, lse = out, out
     else:
-        part = torch.empty(bt * t, n_splits, hh, dl, dtype=torch.float32, device=qn.device)
-        lse = torch.empty(bt * t, n_splits, hh, dtype=torch.float32, device=qn.device)
-    _mla_split[(bt * t, n_splits)](qn, qr, ckv, kpe, ctx_lens, mask, part, lse,
-                                   sm_scale * LOG2E, t, hh, s, chunk, n_splits,
-                                   DL=dl, DR=dr, BH=bh, BN=bn, ONE_SPLIT=one,
-                                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        part = torch.empty(bt * rows, n_splits, dl, dtype=torch.float32, device=qn.device)
+        lse = torch.empty(bt * rows, n_splits, dtype=torch.float32, device=qn.device)
+    kernel = mla_gluon.mla_rows_sm90 if cfg.kernel == "gluon" else _mla_rows
+    kernel[(tiles, n_splits, bt)](qn, qr, ckv, kpe, ctx_lens, mask, part, lse,
+                                  sm_scale * LOG2E, t, s, chunk, n_splits,
+                                  H=hh, DL=dl, DR=dr, BM=cfg.bm, BN=cfg.bn, CAUSAL=causal, ONE_SPLIT=one,
+                                  num_warps=cfg.warps, num_stages=cfg.stages)
     if not one:
         bd = min(dl, 128)
-        _mla_combine[(bt * t * hh, dl // bd)](part, lse, out, hh, n_splits, DL=dl, BD=bd,
-                                              NSP=triton.next_power_of_2(n_splits), num_warps=4)
+        _mla_combine[(bt * rows, dl // bd)](part, lse, out, n_splits, DL=dl, BD=bd,
+                                            NSP=triton.next_power_of_2(n_splits), num_warps=4)
     return out
 
 
 def flops(bt: int, t: int, hh: int, ctx: int, dl: int, dr: int) -> float:
     """Matmul flops of one verify step: QK^T over dl+dr plus PV over dl, per query row and key."""
     return 2.0 * bt * t * hh * (ctx + t) * (dl + dr + dl)
-

@@ -68,11 +68,14 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
 
 
 def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor, ctx_lens: Tensor,
-                       tree_mask: Tensor, sm_scale: float, impl: Impl = "auto") -> Tensor:
-    """Absorbed MLA for T tree tokens over each sequence's prefix plus their tree ancestors."""
+                       tree_mask: Tensor | None, sm_scale: float, impl: Impl = "auto",
+                       causal: bool = False) -> Tensor:
+    """Absorbed MLA for T tree tokens over each sequence's prefix plus their tree ancestors; with
+    causal=True the T tokens are a chunk of prompt (token t sees the prefix and chunk tokens <= t)
+    and tree_mask may be None."""
     mod = _pick(impl, "mla_verify", q_nope)
     fn = mod.mla_tree_attention if mod else reference.mla_tree_attention
-    return fn(q_nope, q_rope, ckv, kpe, ctx_lens, tree_mask, sm_scale)
+    return fn(q_nope, q_rope, ckv, kpe, ctx_lens, tree_mask, sm_scale, causal=causal)
 
 
 def build_tree(topk_logprobs: Tensor, topk_tokens: Tensor, root_tokens: Tensor, budget: int,

@@ -78,15 +78,18 @@ def tree_visibility(ctx_lens: Tensor, tree_mask: Tensor, s: int) -> Tensor:
 
 
 def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor, ctx_lens: Tensor,
-                       tree_mask: Tensor, sm_scale: float,
+                       tree_mask: Tensor | None, sm_scale: float, causal: bool = False,
                        compute_dtype: torch.dtype = torch.float32) -> Tensor:
     """Absorbed MLA over prefix + tree via SDPA with an explicit mask.
 
-    compute_dtype float32 is the accuracy reference; the bench times it in the input dtype as the
-    baseline a plain PyTorch implementation would get.
+    causal=True is the chain tree (token t sees chunk tokens 0..t), the semantics of the kernels'
+    causal mode; tree_mask is then ignored. compute_dtype float32 is the accuracy reference; the
+    bench times it in the input dtype as the baseline a plain PyTorch implementation would get.
     """
     bt, t, hh, dl = q_nope.shape
     s = ckv.shape[1]
+    if causal:
+        tree_mask = torch.ones(t, t, dtype=torch.bool, device=q_nope.device).tril().expand(bt, t, t)
     q = torch.cat([q_nope, q_rope], -1).to(compute_dtype).transpose(1, 2)  # [Bt, Hh, T, Dl+Dr]
     kk = torch.cat([ckv, kpe], -1).to(compute_dtype).unsqueeze(1).expand(bt, hh, s, -1)
     v = ckv.to(compute_dtype).unsqueeze(1).expand(bt, hh, s, dl)

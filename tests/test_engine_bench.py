@@ -258,6 +258,29 @@ def test_moe_shard_rows_carry_tp_and_the_shard_bytes():
     assert schema.SCHEMAS["kernels"].field("tp").nullable
 
 
+def test_mla_shard_rows_carry_tp_and_cover_the_flashmla_grid():
+    """The MLA sweep at one TP-8 rank (heads / tp, rows tagged, the shard's flops), at every shape of
+    the FlashMLA comparison (shared/data/mla-flashmla-h200.csv) at both head counts, out to 128k."""
+    import time
+
+    import torch
+
+    from engine.bench_kernels import MIN_REPEATS, PROFILES, KernelBench, budgeted_repeats
+
+    kb = KernelBench(PROFILES[("cpu", "smoke")], torch.device("cpu"))
+    full, shard = kb.attention(1, 16, 128, "auto"), kb.attention(1, 16, 128, "auto", tp=2)
+    assert (full["tp"], shard["tp"], full["N"], shard["N"]) == (1, 2, 4, 2)
+    assert shard["flops"] * 2 == full["flops"] and shard["bytes"] < full["bytes"]
+    p = PROFILES[("cuda", "full")]
+    grid = {(b, n, c) for b in (1, 8, 16) for n in (16, 64, 256) for c in (4096, 16384, 32768, 65536)}
+    for pts in (p.attn, p.attn_tp):
+        assert grid <= set(pts) and len(set(pts)) == len(pts)
+        assert max(c for _, _, c in pts) == 131072
+        assert {n for _, n, _ in pts} == {16, 64, 256, 1024} and {b for b, _, _ in pts} == {1, 8, 16}
+    assert budgeted_repeats(lambda: time.sleep(0.06), torch.device("cpu"), 50) == MIN_REPEATS
+    assert budgeted_repeats(lambda: None, torch.device("cpu"), 50) == 50
+
+
 def test_e2e_figures_leave_out_the_eager_step() -> None:
     """The step run eagerly while the CUDA graphs are made is paid once by a server, not every step."""
     from engine.bench_e2e import summarise

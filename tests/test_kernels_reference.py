@@ -183,3 +183,19 @@ def test_mla_reference_against_explicit_softmax() -> None:
             sc = (qn[b, i] @ ckv[b, keys].T + qr[b, i] @ kpe[b, keys].T) * 0.3  # [Hh, n]
             want = torch.softmax(sc, -1) @ ckv[b, keys]
             assert torch.allclose(out[b, i], want, atol=1e-5)
+
+
+def test_mla_causal_is_a_chunk_over_its_prefix() -> None:
+    """causal=True through ops (the reference here): chunk token t sees the whole prefix and chunk
+    tokens 0..t, i.e. the chain tree; a tree mask passed alongside is ignored."""
+    g = torch.Generator().manual_seed(5)
+    bt, t, hh, dl, dr, s = 2, 5, 2, 16, 8, 24
+    qn, qr = torch.randn(bt, t, hh, dl, generator=g), torch.randn(bt, t, hh, dr, generator=g)
+    ckv, kpe = torch.randn(bt, s, dl, generator=g), torch.randn(bt, s, dr, generator=g)
+    ctx = torch.tensor([3, 19])
+    chain = torch.ones(t, t, dtype=torch.bool).tril().expand(bt, t, t)
+    want = ops.mla_tree_attention(qn, qr, ckv, kpe, ctx, chain, 0.3, impl="torch")
+    assert torch.equal(ops.mla_tree_attention(qn, qr, ckv, kpe, ctx, None, 0.3, impl="torch", causal=True), want)
+    full = torch.ones(bt, t, t, dtype=torch.bool)
+    assert torch.equal(ops.mla_tree_attention(qn, qr, ckv, kpe, ctx, full, 0.3, impl="torch", causal=True), want)
+    assert not torch.allclose(ops.mla_tree_attention(qn, qr, ckv, kpe, ctx, full, 0.3, impl="torch"), want)

@@ -120,27 +120,87 @@ def test_moe_alignment_blocks() -> None:
     assert bexp.tolist() == [0, 1, 2, 3, 3, 5, 5, 5, 5] and bms.tolist()[:5] == [0, 0, 0, 0, 2]
 
 
-@inner
-@pytest.mark.parametrize("t,splits", [(5, None), (5, 3), (1, None), (1, 1)])
-def test_mla_matches_reference(t: int, splits: int | None) -> None:
-    from kernels import mla_verify, reference
+def _mla_inputs(bt: int, t: int, hh: int, s: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    dl, dr = 32, 16
+    return (torch.randn(bt, t, hh, dl, generator=g).half(), torch.randn(bt, t, hh, dr, generator=g).half(),
+            torch.randn(bt, s, dl, generator=g).half(), torch.randn(bt, s, dr, generator=g).half())
+
+
+def _tree_masks(bt: int, t: int, seed: int) -> torch.Tensor:
+    """Ancestor masks of real DDTrees of T nodes: sequence 0 from a peaked draft (one deep chain),
+    the others from flat drafts (wide, bushy trees)."""
+    from kernels import reference
+
+    g = torch.Generator().manual_seed(seed)
+    length, k = 4, 4
+    lp = torch.randn(bt, length, k, generator=g)
+    lp[0] *= 8
+    lp = F.log_softmax(lp, -1).sort(-1, descending=True).values
+    tok = torch.randint(0, 100, (bt, length, k), generator=g)
+    return reference.build_tree(lp, tok, torch.zeros(bt, dtype=torch.int64), t - 1).mask
+
+
+def _run_mla(args: tuple, ctx: torch.Tensor, mask: torch.Tensor | None, **kw) -> torch.Tensor:
+    from kernels import mla_verify
     from kernels.gpu_check import poisoned, unpoisoned
 
-    g = torch.Generator().manual_seed(7 + t)
-    bt, hh, dl, dr, s = 2, 4, 32, 16, 48
-    qn = torch.randn(bt, t, hh, dl, generator=g).half()
-    qr = torch.randn(bt, t, hh, dr, generator=g).half()
-    ckv = torch.randn(bt, s, dl, generator=g).half()
-    kpe = torch.randn(bt, s, dr, generator=g).half()
-    ctx = torch.tensor([9, s - t])  # a short prefix and a full cache
-    parents = torch.tensor([[-1, 0, 0, 1, 2][:t]] * bt)
-    mask = reference.ancestor_mask(parents)
     poisoned(mla_verify)
     try:
-        out = mla_verify.mla_tree_attention(qn, qr, ckv, kpe, ctx, mask, 0.2, config={"BN": 16}, splits=splits)
+        return mla_verify.mla_tree_attention(*args, ctx, mask, 0.2, **kw)
     finally:
         unpoisoned(mla_verify)
-    assert _rel(out, reference.mla_tree_attention(qn, qr, ckv, kpe, ctx, mask, 0.2)) < 1e-2
+
+
+@inner
+@pytest.mark.parametrize("t,hh,splits,cfg", [(9, 4, None, (16, 16, 4, 2)), (9, 4, 3, (16, 16, 4, 2)),
+                                             (7, 3, 2, (16, 16, 4, 2)), (1, 4, None, None), (1, 4, 1, None),
+                                             (13, 2, None, (32, 16, 4, 2))])
+def test_mla_matches_reference(t: int, hh: int, splits: int | None, cfg: tuple | None) -> None:
+    """Tokens x heads packed into row tiles: 36 rows over three 16-row tiles (the last partial),
+    3 heads (tokens straddle tiles), one decode token (the small-rows config); contexts that do not
+    divide the key block (9, 38), a cache longer than ctx + T; real tree masks (a deep chain and
+    bushy trees) and, in the last sequence, the all-True mask; one split or several."""
+    from kernels import reference
+    from kernels.mla_verify import Config
+
+    bt, s = 3, 64
+    args = _mla_inputs(bt, t, hh, s, 7 + t + hh)
+    ctx = torch.tensor([9, s - t, 38])
+    mask = _tree_masks(bt, t, t).clone()
+    mask[2] = True
+    out = _run_mla(args, ctx, mask, config=cfg and Config("triton", *cfg), splits=splits)
+    assert _rel(out, reference.mla_tree_attention(*args, ctx, mask, 0.2)) < 1e-2
+
+
+@inner
+@pytest.mark.parametrize("t,hh,splits", [(12, 4, None), (12, 4, 4), (5, 2, 2)])
+def test_mla_causal_is_the_chain_mask(t: int, hh: int, splits: int | None) -> None:
+    """causal=True (no mask tensor; each tile stops at its last token's key) equals the reference
+    with a lower-triangular tree, over prefixes that do and do not align with the key block."""
+    from kernels import reference
+    from kernels.mla_verify import Config
+
+    bt, s = 2, 56
+    args = _mla_inputs(bt, t, hh, s, 40 + t)
+    ctx = torch.tensor([16, 21])
+    out = _run_mla(args, ctx, None, causal=True, config=Config("triton", 16, 16, 4, 2), splits=splits)
+    want = reference.mla_tree_attention(*args, ctx, None, 0.2, causal=True)
+    assert _rel(out, want) < 1e-2
+    chain = torch.ones(t, t, dtype=torch.bool).tril().expand(bt, t, t)
+    assert torch.equal(want, reference.mla_tree_attention(*args, ctx, chain, 0.2))
+
+
+def test_mla_split_plan_fills_the_chip() -> None:
+    """Splits from sizes alone: none when the row tiles fill the SMs many times over, many when
+    they do not (each split a whole number of key blocks, all of them covering the cache)."""
+    from kernels.mla_verify import plan_splits
+
+    assert plan_splits(16 * 257, 65793, 64, 132) == (1, 1029 * 64)
+    for tiles, s, least in ((1, 4113, 64), (3, 4113, 32), (17, 65553, 7), (24, 16401, 5), (133, 65793, 2)):
+        n, chunk = plan_splits(tiles, s, 64, 132)
+        assert chunk % 64 == 0 and (n - 1) * chunk < s <= n * chunk
+        assert n >= least, (tiles, n)
 
 
 def _draft(bt: int, length: int, k: int, seed: int, ties: bool) -> tuple[torch.Tensor, torch.Tensor]:

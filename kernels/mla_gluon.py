@@ -1,0 +1,131 @@
+"""MLA tree verify for Hopper (sm_90) in Gluon: the kernel of kernels/mla_verify.py with its MMAs laid out by hand.
+
+Triton lays out the first of two chained dots with all warps along M; with a 64-row tile and two
+warpgroups that makes both warpgroups compute the same 64 x 64 score block (kernels/NOTES.md
+section 2). Here the score block is split by keys between the warpgroups (warps [4, 2]: each
+computes its 32 keys over all 576 K columns, no work done twice), the row max crosses them through
+shared memory each block (the row sums only once, at the end), P goes to shared memory, and each
+warpgroup accumulates its 256 of the 512 output columns. Latent and rope tiles stream in by
+cp.async, two stages deep (block j + 1 in flight while block j is computed); queries stay in shared
+memory. Same programs, row tiles, splits, masks and outputs as `_mla_rows`, which the wrapper in
+mla_verify.py shares; 8 warps, BM = BN = 64 (the shared memory of Q + two stages + P is 225 KB).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+NUM_WARPS = gl.constexpr(8)
+
+
+@gluon.jit
+def _issue(kv, kr, c_dst, kp_dst, n0, last, DL: gl.constexpr, DR: gl.constexpr, BN: gl.constexpr,
+           LD_C: gl.constexpr, LD_R: gl.constexpr):
+    """cp.async of keys n0 .. n0 + BN - 1 (rows past `last` repeat it: their scores are masked)."""
+    rn = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LD_C)), last)
+    rd = gl.arange(0, DL, layout=gl.SliceLayout(0, LD_C))
+    cp.async_copy_global_to_shared(c_dst, kv + rn[:, None] * DL + rd[None, :])
+    rn2 = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LD_R)), last)
+    rr = gl.arange(0, DR, layout=gl.SliceLayout(0, LD_R))
+    cp.async_copy_global_to_shared(kp_dst, kr + rn2[:, None] * DR + rr[None, :])
+    cp.commit_group()
+
+
+@gluon.jit
+def mla_rows_sm90(qn_ptr, qr_ptr, ckv_ptr, kpe_ptr, ctx_ptr, mask_ptr, o_ptr, lse_ptr,
+                  qk_scale, T, S, chunk, n_splits,
+                  H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                  CAUSAL: gl.constexpr, ONE_SPLIT: gl.constexpr):
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, DL // 2, 16])
+    LD_C: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])  # 16-byte copies
+    LD_R: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+
+    pid_m = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    b = gl.program_id(2)
+    rows = T * H
+    ctx = gl.load(ctx_ptr + b).to(gl.int32)
+    q_n = gl.allocate_shared_memory(gl.bfloat16, [BM, DL], SH)
+    q_r = gl.allocate_shared_memory(gl.bfloat16, [BM, DR], SH)
+    c_buf = gl.allocate_shared_memory(gl.bfloat16, [2, BN, DL], SH)
+    kp_buf = gl.allocate_shared_memory(gl.bfloat16, [2, BN, DR], SH)
+    p_buf = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], SH)
+
+    # queries: rows past the sequence's last repeat it (computed, never stored)
+    rq = b.to(gl.int64) * rows + gl.minimum(pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, LD_C)), rows - 1)
+    cp.async_copy_global_to_shared(q_n, qn_ptr + rq[:, None] * DL + gl.arange(0, DL, layout=gl.SliceLayout(0, LD_C))[None, :])
+    rq2 = b.to(gl.int64) * rows + gl.minimum(pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, LD_R)), rows - 1)
+    cp.async_copy_global_to_shared(q_r, qr_ptr + rq2[:, None] * DR + gl.arange(0, DR, layout=gl.SliceLayout(0, LD_R))[None, :])
+    cp.commit_group()
+
+    start = pid_s * chunk
+    end = gl.minimum(gl.minimum(start + chunk, ctx + T), S)  # the tree sits inside the cache
+    if CAUSAL:  # no row of this tile sees past its last token's own key
+        end = gl.minimum(end, ctx + gl.minimum((pid_m * BM + BM - 1) // H, T - 1) + 1)
+    prefix_end = start + gl.maximum(gl.minimum(end, ctx) - start, 0) // BN * BN
+    n_blocks = gl.cdiv(gl.maximum(end - start, 0), BN)
+    kv = ckv_ptr + b.to(gl.int64) * S * DL
+    kr = kpe_ptr + b.to(gl.int64) * S * DR
+    if n_blocks > 0:
+        _issue(kv, kr, c_buf.index(0), kp_buf.index(0), start, end - 1, DL, DR, BN, LD_C, LD_R)
+
+    rs = pid_m * BM + gl.arange(0, BM, layout=ROW_S)
+    tok = gl.minimum(rs, rows - 1) // H
+    m_i = gl.full([BM], float("-inf"), gl.float32, ROW_S)
+    l_2d = gl.zeros([BM, BN], gl.float32, S_L)  # row sums kept per column: one cross-warpgroup sum at the end
+    acc = gl.zeros([BM, DL], gl.float32, O_L)
+    for j in range(n_blocks):
+        n0 = start + j * BN
+        st = j % 2
+        cp.wait_group(0)  # block j (and, first, the queries) landed for this thread's copies
+        fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+        gl.thread_barrier()  # ... for every thread's copies; and every warpgroup is done with block j - 1 and P
+        if j + 1 < n_blocks:  # into the stage block j - 1 held, in flight while block j is computed
+            _issue(kv, kr, c_buf.index(1 - st), kp_buf.index(1 - st), n0 + BN, end - 1, DL, DR, BN, LD_C, LD_R)
+        c_s = c_buf.index(st)
+        s = warpgroup_mma(q_n, c_s.permute((1, 0)), gl.zeros([BM, BN], gl.float32, S_L), is_async=True)
+        s = warpgroup_mma(q_r, kp_buf.index(st).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s]) * qk_scale
+        if n0 + BN > prefix_end:  # the prefix's tail block and the tree
+            rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+            rel = rn - ctx
+            kval = rn < end
+            if CAUSAL:
+                seen = rel[None, :] <= tok[:, None]
+            else:
+                in_tree = (rs < rows)[:, None] & (kval & (rel >= 0))[None, :]
+                mrow = mask_ptr + (b.to(gl.int64) * T + tok) * T
+                seen = gl.load(mrow[:, None] + rel[None, :], mask=in_tree, other=0) != 0
+            s = gl.where(kval[None, :] & ((rel < 0)[None, :] | seen), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row may have seen no key yet
+        p = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_2d = l_2d * alpha[:, None] + p
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+        p_buf.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(p_buf, c_s, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    cp.wait_group(0)  # no block at all: the queries' copies
+    l_i = gl.sum(l_2d, 1)
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / gl.convert_layout(l_safe, ROW_O)[:, None]
+    ro = pid_m * BM + gl.arange(0, BM, layout=ROW_O)
+    rd = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
+    row = b.to(gl.int64) * rows + ro
+    if ONE_SPLIT:
+        gl.store(o_ptr + row[:, None] * DL + rd[None, :], out.to(o_ptr.dtype.element_ty), mask=(ro < rows)[:, None])
+    else:
+        gl.store(o_ptr + (row * n_splits + pid_s)[:, None] * DL + rd[None, :], out, mask=(ro < rows)[:, None])
+        lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
+        gl.store(lse_ptr + (b.to(gl.int64) * rows + rs) * n_splits + pid_s, lse, mask=rs < rows)
