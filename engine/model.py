@@ -270,7 +270,7 @@ class TargetModel:
         return ids, (w / w.sum(-1, keepdim=True) * self.cfg.routed_scale).float()
 
     def _attention(self, x: Tensor, lw: dict[str, Tensor], li: int, angles: tuple[Tensor, Tensor],
-                   cache: LatentCache, rows: Tensor, tree_mask: Tensor) -> Tensor:
+                   cache: LatentCache, rows: Tensor, tree_mask: Tensor | None) -> Tensor:
         cfg = self.cfg
         bt, t, _ = x.shape
         q = F.linear(rms_norm(F.linear(x, lw["q_a"]), lw["q_norm"], cfg.norm_eps), lw["q_b"])
@@ -285,7 +285,7 @@ class TargetModel:
         q_lat = torch.einsum("bthd,hdc->bthc", q_nope, lw["w_uk"])
         with gpu_busy.section("attention"):
             o_lat = ops.mla_tree_attention(q_lat, q_pe, cache.ckv[li], cache.kpe[li], cache.lens, tree_mask,
-                                           self.sm_scale, impl=self.impl)
+                                           self.sm_scale, impl=self.impl, causal=tree_mask is None)
         o = torch.einsum("bthc,hvc->bthv", o_lat, lw["w_uv"])
         return F.linear(o.reshape(bt, t, self.heads * cfg.v_dim), lw["o"])
 
@@ -304,14 +304,13 @@ class TargetModel:
         """tokens/positions [Bt, T] sit at cache rows lens .. lens+T-1 (the cache's lens is not moved).
 
         tree_mask [Bt, T, T]: which of the T new tokens each one sees (besides every cached row); None:
-        a chunk of prompt, each token seeing the chunk's tokens up to itself (one causal mask, made here).
+        a chunk of prompt, each token seeing the chunk's tokens up to itself (the attention kernel's
+        causal mode: no T x T mask).
         Returns (logits [Bt, T, V / tp]: this rank's vocab shard, hidden [Bt, T, H]) with hidden the last layer's output before
         the final norm, which the drafter conditions on; with `pick` ([Bt] row per sequence, e.g.
         each prompt's last token in a padded prefill) only that row: [Bt, 1, V] and [Bt, 1, H].
         """
-        bt, t = tokens.shape
-        if tree_mask is None:
-            tree_mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril().expand(bt, t, t)
+        t = tokens.shape[1]
         x = self.embed[tokens]
         rows = cache.lens.unsqueeze(1) + torch.arange(t, device=tokens.device)
         angles = rope_angles(positions, self.cfg.rope_dim, self.cfg.rope_theta)

@@ -65,21 +65,24 @@ def test_ddtree_is_lossless(setup, budget, level):
 def test_chunked_prefill_decodes_like_one_forward_over_the_prompt(setup, monkeypatch):
     """Chunks of 7 positions a sequence, each attending to the cache before it and causally within
     itself: the same cache rows, first tokens and greedy / DDTree output as one forward over the
-    whole prompt, with no forward wider than a chunk (no T x T mask, bounded MoE M)."""
+    whole prompt, with no forward wider than a chunk (bounded MoE M) and no T x T mask (the
+    attention kernel's causal mode)."""
     dec, prompts, ref = setup
     masks = []
     attend = ops.mla_tree_attention
 
     def spy(q_nope, q_rope, ckv, kpe, ctx_lens, tree_mask, *a, **k):
-        masks.append(tuple(tree_mask.shape))
+        if k.get("causal"):  # a prompt chunk: no mask at all
+            assert tree_mask is None
+            masks.append(tuple(q_nope.shape[:2]) * 2)
         return attend(q_nope, q_rope, ckv, kpe, ctx_lens, tree_mask, *a, **k)
 
     monkeypatch.setattr(ops, "mla_tree_attention", spy)
     chunked = Decoder(dec.model, dec.drafter, prefill_tokens=4 * 7)
     one, parts = dec.prefill(prompts, 40), chunked.prefill(prompts, 40)
     layers = dec.model.cfg.layers
-    assert masks[:layers] == [(4, 30, 30)] * layers
-    assert masks[layers:] == [(4, 7, 7)] * 4 * layers + [(4, 2, 2)] * layers  # 30 = 4 x 7 + 2
+    assert masks[:layers] == [(4, 30, 4, 30)] * layers
+    assert masks[layers:] == [(4, 7, 4, 7)] * 4 * layers + [(4, 2, 4, 2)] * layers  # 30 = 4 x 7 + 2
     for b, n in enumerate(map(len, prompts)):
         torch.testing.assert_close(parts.cache.ckv[:, b, :n], one.cache.ckv[:, b, :n], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(parts.cache.kpe[:, b, :n], one.cache.kpe[:, b, :n], rtol=1e-4, atol=1e-5)
