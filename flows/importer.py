@@ -25,9 +25,9 @@ from typing import Any
 from engine.config import CONFIGS
 from engine.costs import expected_experts
 from engine.schema import to_table, write_table
-from flows.backtest import cost_of
 from flows.families import family
 from flows.inventory import Inventory
+from flows.kernelfit import cost_of
 from flows.scrub import leaks
 from flows.reference import OUTSIDE_ORIGINS
 from flows.store import check_name
