@@ -998,7 +998,10 @@ def assumption_text(a: dict[str, Any]) -> str:
                 f"points ({', '.join(md(h) for h in a['host_side'])}) and latency-bound points (under "
                 f"{a['latency_share']:.0%} of both ceilings; band up to their roofline-scaled time)")
     if what == "step_model":
-        how = ("each family scaled by its in-step/suite factor from the rows' per-family split" if a["split"] else
+        factors = ", ".join(f"{md(f)} {lo:.2f}" + (f"-{hi:.2f}" if hi - lo >= 0.005 else "")
+                            for f, (lo, hi) in sorted(a.get("factors", {}).items()))
+        how = (f"each family scaled by its in-step/suite factor from the rows' per-family split: {factors or '-'}"
+               if a["split"] else
                "no per-family split in the reference's rows: every GPU kernel the suite does not explain counts as "
                "other kernels")
         notes = "; ".join(md(n) for n in a.get("notes", []))

@@ -348,6 +348,7 @@ def assumption_records(ref: Machine, target: Machine, ref_run_id: str, p: _Parts
         {"what": "kept", "launch_floor_us": LAUNCH_FLOOR_US, "latency_share": LATENCY_SHARE,
          "host_side": sorted({"*/cpu"} | {f"{k}/{i}" for k, i in HOST_SIDE})},
         {"what": "step_model", "rows": cal.rows, "split": cal.split, "tps": list(cal.tps),
+         "factors": {f: [min(v for _, v in s), max(v for _, v in s)] for f, s in sorted(cal.factors.items())},
          "host_fixed_ms": cal.host_fixed_ms, "host_per_layer_ms": cal.host_per_layer_ms,
          "notes": list(p.model.notes)},
         {"what": "tensor_parallel", "target_tp": max(target.gpus, 1), "gpus": target.gpus, "rows": p.tp_how},

@@ -44,6 +44,8 @@ FAMILIES = ("moe", "attention", "dense", "lm_head", "tree", "gpu_other")
 SUITE = FAMILIES[:-1]
 TERMS = (*FAMILIES, "host", "comm")
 COLUMN = {f: f"{f}_ms" for f in FAMILIES}
+LABEL = {"moe": "MoE", "attention": "attention", "dense": "dense GEMMs", "lm_head": "lm-heads", "tree": "tree kernels",
+         "gpu_other": "other kernels", "host": "host time", "comm": "comm"}   # a term in words
 HEADS = ("lm_head", "draft_head")          # the dense ops the lm_head family holds
 CAL_AXES = ("tp", "tokens", "context")
 

@@ -23,7 +23,7 @@ from flows.ceilings import Machine, ProjectionError, Tables, rows_of
 from flows.families import tp_of
 from flows.inventory import Inventory
 from flows.reference import Dataset, load_reference, machine_of, measured_datasets
-from flows.stepmodel import (COLUMN, FAMILIES, TERMS, Model, Query, Step, answer, build, calibration_rows,
+from flows.stepmodel import (COLUMN, FAMILIES, LABEL, TERMS, Model, Query, Step, answer, build, calibration_rows,
                              config_of, step_spread)
 from flows.store import Store
 
@@ -47,7 +47,7 @@ class Answer:
     def largest_text(self) -> str:
         """'attention 61% of the step' (comm counted as a term of the step)."""
         term = self.step.largest
-        return f"{term.replace('_', ' ')} {self.step.share(term):.0%} of the step"
+        return f"{LABEL[term]} {self.step.share(term):.0%} of the step"
 
 
 def accept_levels(tables: Tables) -> list[tuple[float | None, float]]:

@@ -117,3 +117,15 @@ def test_every_page_shows_a_stored_what_if_grid(tmp_path: Path, inv: Inventory) 
         store.fs.delete_file(store.full("_manifests", "host=h200", f"run={info.run_id}.json"))
     render_notes(store, inv, tmp_path / "docs2")
     assert "## What if" not in (tmp_path / "docs2" / "notes" / "h200.md").read_text()
+
+
+def test_a_projected_page_states_the_in_step_factors_its_reference_measured(mini: Store, inv: Inventory,
+                                                                            tmp_path: Path) -> None:
+    refresh(mini, inv, "h200")
+    render_notes(mini, inv, tmp_path / "docs")
+    page = (tmp_path / "docs" / "notes" / "b300.md").read_text()
+    # the reference's rows carry the per-family split: the projection says how in-step time compared
+    # with the suite's, family by family (the synthetic factors), and shows the target's step that way
+    assert ("in-step/suite factor from the rows' per-family split: attention 1.30, dense 1.05, lm_head 1.00, "
+            "moe 1.12, tree 1.00") in page
+    assert "By kernel family:" in page and "| point | moe | attention | dense | lm_head | tree | other kernels |" in page
