@@ -11,7 +11,7 @@ its coverage is the share of points inside, its width the median half-width.
   configurations' rows (leave one configuration out);
 - depth: the full-depth step from a straight line through the shallower depths of the same point;
 - size: a family's largest sizes from its smaller ones (MoE M >= 256 from M < 256, context 64k and
-  up from less, tree budget 1024 from less, dense GEMM M >= 256), its kernel model fitted on the
+  up from less, tree budget 1024 from less, dense GEMM M >= 256 from less), its kernel model fitted on the
   smaller ones alone;
 - tp: the TP-N kernel shards from the full shapes, and the TP-N rank step from the step model
   calibrated on the TP-1 rows (with the measured shard-shape kernels);

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -49,6 +49,7 @@ class ShapeClass:
     fit: Fit | None                                           # None: a latency-bound family, no roofline
     samples: tuple[tuple[Mapping[str, float], float], ...]   # shape -> measured / fit (no fit: the time)
     tp: int
+    dtype: str                                                # whose ceilings its compute term carries by
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,6 @@ class Carry:
 @dataclass(frozen=True)
 class FamilyModel:
     family: str
-    dtype: str
     classes: dict[Key, ShapeClass] = field(default_factory=dict)
 
     @property
@@ -85,15 +85,17 @@ class FamilyModel:
         return near, f"re-sharded from TP-{near[-1]} points"
 
     def time_us(self, key: Key, shape: Mapping[str, float], nbytes: float, flops: float,
-                carry: Carry | None = None) -> tuple[Estimate, str] | None:
-        """The family's time at a shape of class `key` (None when the family has no class to carry it from)."""
+                carry: Callable[[str], Carry | None] | None = None) -> tuple[Estimate, str] | None:
+        """The family's time at a shape of class `key` (None when the family has no class to carry it from);
+        `carry(dtype)` gives the carry to another machine for a class's dtype (None: this machine)."""
         picked = self.pick(key)
         if picked is None:
             return None
         cls = self.classes[picked[0]]
         if cls.fit is None:     # time itself along the sweep, its edge trend extended; the same on any GPU
             return interpolate(cls.samples, shape, self.axes, beyond="slope"), picked[1]
-        fit = cls.fit if carry is None else carry.fit(cls.fit)
+        to = carry(cls.dtype) if carry else None
+        fit = cls.fit if to is None else to.fit(cls.fit)
         return interpolate(cls.samples, shape, self.axes).scaled(fit.us(nbytes, flops)), picked[1]
 
 
@@ -144,9 +146,8 @@ def fit_family(name: str, rows: Sequence[Mapping[str, Any]], gbps: float, tflops
         fit = None if name in KEPT else fits.get(k) or default
         samples = tuple(({a: float(p.get(a) or 0) for a in AXES[name]},
                          p["time_us_p50"] / (fit.us(p["bytes"], p["flops"]) if fit else 1.0)) for p in groups[k])
-        classes[k] = ShapeClass(fit, samples, k[-1])
-    dtype = groups[keys[0]][0]["dtype"] if keys else "bfloat16"
-    return FamilyModel(name, dtype, classes)
+        classes[k] = ShapeClass(fit, samples, k[-1], groups[k][0]["dtype"])
+    return FamilyModel(name, classes)
 
 
 def _fit(keys: list[Key], groups: dict[Key, list[Mapping[str, Any]]], shared: bool) -> dict[Key, Fit]:

@@ -138,7 +138,7 @@ def project_kernels(rows: list[dict[str, Any]], model: Model, evidence: Sequence
         fam = model.fams.get(family(r["kernel"]))
         got = None if fam is None or host_side(r) else fam.time_us(
             class_key(r), {a: float(r.get(a) or 0) for a in AXES[fam.family]}, r["bytes"], r["flops"],
-            model.carry(fam.dtype))
+            model.carry)
         if got is None:
             p = project_point(r, model.ref_c.of(r["dtype"]), model.tgt_c.of(r["dtype"]),
                               effs.get((r["kernel"], r["impl"], r["dtype"])))

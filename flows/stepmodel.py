@@ -15,7 +15,9 @@ Each suite family is taken from its kernel model (flows.kernelfit) and scaled by
 factor: the measured e2e rows' per-family GPU time over the suite's at the same shapes, interpolated
 across the rows' (tp, tokens, context). gpu_other is what the rows' GPU time leaves: a fixed part and
 a part per layer (split by the rows' depth series). Where the rows have no per-family split, the
-factors are 1 and gpu_other holds everything the suite does not explain. The host time outside the
+factors are 1 and gpu_other holds everything the suite does not explain. The per-layer part is a line
+in tokens at each TP degree (a + b x tokens; a degree with one token count borrows the nearest
+degree's slope, scaled by the degrees), linear in log tp between degrees. The host time outside the
 kernels is fitted from the rows' outside_ms (fixed + per layer) and kept on any machine, as is
 gpu_other (small latency-bound kernels); without a depth series both are taken as all per layer.
 Comm is two all-reduces a layer over the target's links.
@@ -30,12 +32,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from engine.config import CONFIGS, ModelConfig
-from engine.costs import (build_tree_cost, dense_op_cost, dense_op_rows, dense_ops, expected_experts, mla_cost,
-                          moe_cost, tree_accept_cost)
+from engine.costs import dense_op_cost, dense_op_rows, dense_ops
 from flows.carrier import SHARE, Side, how
 from flows.families import E2E_CONTEXT, e2e_key, tp_of
 from flows.interp import Estimate, Sample, interpolate
-from flows.kernelfit import Carry, FamilyModel, fit_all
+from flows.kernelfit import Carry, FamilyModel, cost_of, fit_all
 from flows.ceilings import (ALLREDUCES_PER_LAYER, Ceilings, CommModel, Machine, Tables, comm_model,
                             measured_ceilings, rows_of)
 from flows.stepmemory import Memory, memory
@@ -66,7 +67,7 @@ class Step:
     ms: dict[str, float]           # every TERMS entry
     tokens_per_s: float
     memory: Memory
-    extrapolated: tuple[str, ...]  # "moe M", "attention context", "calibration tokens", ...
+    extrapolated: tuple[str, ...]  # "moe M", "attention context", "moe in-step factor tokens", "gpu_other tokens" ...
     interpolated: tuple[str, ...]
     carries: tuple[str, ...]       # the kinds of carry the figure leans on (flows.bands)
     notes: tuple[str, ...]         # what this answer assumed beyond the model's common assumptions
@@ -166,17 +167,15 @@ def suite_ms(m: Model, cfg: ModelConfig, q: Query, on_target: bool = True) -> _A
 
     def timed(name: str, key: tuple, shape: dict[str, float], cost: tuple[float, float]) -> tuple[Estimate, str] | None:
         fam = m.fams.get(name)
-        carry = m.carry(fam.dtype) if fam and on_target else None
-        return fam.time_us(key, shape, *cost, carry) if fam else None
+        return fam.time_us(key, shape, *cost, m.carry if on_target else None) if fam else None
 
-    for fam, name, shape, cost, count in (
-            ("moe", "moe_w4a16", {"M": tokens}, moe_cost(cfg, tokens, expected_experts(cfg.experts, cfg.top_k, tokens),
-                                                         tp=tp), n["moe_layer"]),
-            ("attention", "mla_tree_attention", {"batch": c, "budget": b, "context": q.context},
-             mla_cost(cfg, c, b, q.context, tp=tp), layers),
-            ("tree", "build_tree", {"batch": c, "budget": b}, build_tree_cost(cfg, c, b), 1),
-            ("tree", "tree_accept", {"batch": c, "budget": b}, tree_accept_cost(cfg, c, b), 1)):
-        got = timed(name, (tp,) if name in ("moe_w4a16", "mla_tree_attention") else (1,), shape, cost)
+    for fam, name, shape, count in (("moe", "moe_w4a16", {"M": tokens}, n["moe_layer"]),
+                                    ("attention", "mla_tree_attention", {"batch": c, "budget": b, "context": q.context},
+                                     layers),
+                                    ("tree", "build_tree", {"batch": c, "budget": b}, 1),
+                                    ("tree", "tree_accept", {"batch": c, "budget": b}, 1)):
+        sharded = name in ("moe_w4a16", "mla_tree_attention")
+        got = timed(name, (tp,) if sharded else (1,), shape, cost_of(name, cfg, shape, tp if sharded else 1))
         if got is None:
             acc.notes.append(f"{fam}: no {name} points; left out")
             continue
