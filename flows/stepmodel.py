@@ -346,8 +346,8 @@ def answer(m: Model, q: Query, cfg: ModelConfig | None = None) -> Step:
     carries = ["composition"]
     if m.cal.tps and q.tp not in m.cal.tps:
         carries.append("tp")
-    for fam in ("moe", "attention"):
-        if any(e.startswith(f"{fam} ") and e.split()[-1] in ("M", "context") for e in acc.extrapolated):
+    for fam in ("moe", "attention"):   # a kernel family beyond its sweep (any axis): the size backtest's evidence
+        if any(e.startswith(f"{fam} ") for e in acc.extrapolated):
             carries.append(f"size:{fam}")
     if m.cross_host:
         carries.append("cross-host")

@@ -113,6 +113,9 @@ def test_cli_prints_and_stores_and_the_notes_render_it(store: Store, inv: Invent
         assert kind in res.output
     stored = json.loads((Path(store.base) / "backtest" / "backtest.json").read_text())
     assert {r["kind"] for r in stored} == {"composition", "depth", "size", "tp", "cross-host"}
+    as_json = CliRunner().invoke(app, ["backtest", "--artifacts", store.base, "--hosts", str(REPO / "hosts"),
+                                       "--format", "json"])
+    assert as_json.exit_code == 0 and [r["kind"] for r in json.loads(as_json.output)] == [r["kind"] for r in stored]
     first = stored_backtest(store)[0]
     assert first == BacktestRow(**{**stored[0], "ratios": tuple(stored[0]["ratios"]), "groups": tuple(stored[0]["groups"])})
     assert first.ratios and len(first.ratios) == len(first.groups) == first.points   # the evidence travels
