@@ -50,10 +50,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                                "profile's; CUDA full runs all 61 of k2)")
     ap.add_argument("--vocab", type=int, help="e2e: smaller lm-head vocab if memory demands (recorded)")
     ap.add_argument("--accept", type=float, help="e2e: one synthetic acceptance level of the steered drafter, "
-                                                 "0..1, instead of the profile's sweep (recorded as synthetic_accept)")
-    ap.add_argument("--tp", type=int, help="e2e: one tensor-parallel degree instead of the profile's: rank 0 of "
-                                           "a TP-N deployment at one GPU's shapes; must divide heads, the expert "
-                                           "and dense intermediates and the vocab (recorded as tp)")
+                                                 "0..1, instead of the profile's sweep and the context axis's level "
+                                                 "(recorded as synthetic_accept)")
+    ap.add_argument("--tp", type=int, help="e2e: one tensor-parallel degree instead of the profile's (the context "
+                                           "axis's too): rank 0 of a TP-N deployment at one GPU's shapes; must "
+                                           "divide heads, the expert and dense intermediates and the vocab "
+                                           "(recorded as tp)")
     ap.add_argument("--comm-model", help='e2e: the modelled all-reduce for tp > 1, JSON {"alpha_us": .., '
                                          '"busbw_gbps": .., "source": ".."} (default: a fit of the h200 '
                                          'reference 2-GPU all-reduce)')
@@ -78,10 +80,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def e2e_profile(a: argparse.Namespace, device: torch.device) -> bench_e2e.E2EProfile:
     """The e2e profile with the flags applied, checked against its config (UsageError names the flag)."""
     prof = bench_e2e.PROFILES[(device.type, a.profile)]
+
+    def axis(**change: object) -> bench_e2e.ContextAxis | None:
+        return None if prof.context is None else dataclasses.replace(prof.context, **change)
+
     if a.accept is not None:
-        prof = dataclasses.replace(prof, levels=(a.accept,))
+        prof = dataclasses.replace(prof, levels=(a.accept,), context=axis(level=a.accept))
     if a.tp is not None:
-        prof = dataclasses.replace(prof, tps=(a.tp,))
+        prof = dataclasses.replace(prof, tps=(a.tp,), context=axis(tp=a.tp))
     cfg = CONFIGS[prof.config]
     if a.layers is not None and a.layers > cfg.layers:
         raise UsageError(f"--layers {a.layers}: {cfg.name} has {cfg.layers} layers")

@@ -2,9 +2,11 @@
 dense GEMMs of a step (engine.costs.dense_ops: attention projections, absorbed MLA einsums, router
 gate, shared expert, dense layer, lm-head, drafter), at full shapes and one TP rank's shards.
 
-CUDA runs K2 shapes (impl "auto", i.e. Triton where a kernel exists, plus the torch reference at
-a few points so the speedup shows); the CPU runs k2-mini shapes on the references. Every point
-carries the bytes it must move and the flops it must do, so it reads against the run's ceilings.
+CUDA runs K2 shapes with impl "auto" (the MoE's CUDA C++ kernel where it built and its M bucket
+fits this device, else Triton; Triton for the other kernels), plus the torch reference at a few
+points so the speedup shows; the CPU runs k2-mini shapes on the references. Every point carries the
+bytes it must move and the flops it must do, so it reads against the run's ceilings; the MoE points
+on CUDA also carry host_us, the host's time of one eager call.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from engine.config import K2, K2_MINI, ModelConfig
 from engine.costs import (DenseOp, build_tree_cost, dense_op_cost, dense_ops, expected_experts, mla_cost, moe_cost,
                           tree_accept_cost)
 from engine.model import Init
-from engine.timing import Timing, time_op
+from engine.timing import Timing, host_us, time_op
 from kernels import ops, reference
 
 Row = dict[str, Any]
@@ -41,7 +43,8 @@ class KernelProfile:
 
 PROFILES: dict[tuple[str, str], KernelProfile] = {
     ("cuda", "full"): KernelProfile(
-        K2, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), (1, 32), (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+        K2, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), (1, 32),
+        (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
         tuple((b, n, c) for b in (1, 8) for n in (16, 64, 256, 1024) for c in (1024, 8192, 32768, 65536)),
         ((1, 64, 8192), (8, 64, 8192), (1, 256, 8192)),
         tuple((b, n) for b in (1, 16) for n in (16, 64, 256, 1024)), (1, 16, 64, 256, 1024, 4096), (1, 8),
@@ -167,14 +170,16 @@ class KernelBench:
         w = self.moe_weights(tp)
         x, ids, tw = self.moe_inputs(m)
         reps = self.p.repeats if impl == "auto" else self.p.torch_repeats
-        t = time_op(lambda: ops.moe_w4a16(x, *w, ids, tw, impl=impl), self.dev, reps)
+        call = lambda: ops.moe_w4a16(x, *w, ids, tw, impl=impl)  # noqa: E731
+        t = time_op(call, self.dev, reps)
+        host = host_us(call, self.dev) if self.dev.type == "cuda" and impl == "auto" else None
         h, i, e, k = c.hidden, c.moe_inter // tp, c.experts, c.top_k
         unique = int(ids.unique().numel())
         nbytes, flops = moe_cost(c, m, unique, x.element_size(), tp)
         return {"kernel": "moe_w4a16", "impl": ops.moe_impl(x, w[0], w[2], impl),
                 "dtype": str(self.dtype).removeprefix("torch."), "device": self.dev.type,
                 "M": m, "N": 2 * i, "K": h, "E": e, "top_k": k, "tp": tp, "unique_experts": unique,
-                "expected_experts": expected_experts(e, k, m),
+                "expected_experts": expected_experts(e, k, m), "host_us": host,
                 **_timing_cols(t, nbytes, flops)}
 
     # ------------------------------------------------------------------ trees

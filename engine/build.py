@@ -23,6 +23,7 @@ import torch
 
 from engine import bench_e2e, bench_kernels
 from engine.bench_kernels import KernelBench, KernelProfile
+from engine.config import ModelConfig
 from engine.env import UsageError, check_arch, facts, fail, now_iso
 from kernels import ops
 
@@ -49,6 +50,7 @@ def tree_err(a: ops.Tree | tuple, b: ops.Tree | tuple) -> float:
 # M compared against the reference besides each sweep's smallest and largest: one in each range of
 # the CUDA MoE's configs of another kind (one-token stages, 8- and 16-slot blocks; 32 at the largest)
 COMPARE_M = (1, 16, 128, 512)
+MOE_TP = (1, 8)  # the MoE's shapes: the full experts and one TP-8 rank's shard
 
 
 def moe_shapes(p: KernelProfile, e2e_m: set[int]) -> list[tuple[int, int, bool]]:
@@ -119,17 +121,29 @@ def check(name: str, runs: list[tuple[Callable[[str], Any], bool]], kb: KernelBe
             "shapes": len(runs)}
 
 
-def moe_cuda_build(device: torch.device) -> dict[str, Any]:
-    """Which MoE kernel this host runs, and why: the CUDA C++ one needs the host's nvcc."""
+def moe_cuda_build(device: torch.device, cfg: ModelConfig) -> dict[str, Any]:
+    """Which MoE kernel this host runs, and why: the CUDA C++ one needs the host's nvcc, and each M
+    bucket's configs must fit this device (per bucket and shape: the full experts and a TP-8 rank's)."""
     cuda = ops.triton_module("moe_cuda")
     reason = "kernels.moe_cuda does not import" if cuda is None else cuda.unavailable_reason(device)
-    if reason is None:
-        from kernels import cuda_build
-        nvcc, arch = cuda_build.nvcc_version(cuda_build.nvcc_path()), cuda_build.arch_of(device)
-        print(f"moe_w4a16: CUDA kernel built for {arch} by nvcc {nvcc}")
-        return {"impl": "cuda", "nvcc": nvcc, "cuda_arch": arch}
-    print(f"moe_w4a16: CUDA kernel unavailable ({reason}); the Triton kernel runs")
-    return {"impl": "triton", "cuda_unavailable": reason[:300]}
+    if reason is not None:
+        print(f"moe_w4a16: CUDA kernel unavailable ({reason}); the Triton kernel runs")
+        return {"impl": "triton", "cuda_unavailable": reason[:300]}
+    from kernels import cuda_build
+    nvcc, arch = cuda_build.nvcc_version(cuda_build.nvcc_path()), cuda_build.arch_of(device)
+    limits = cuda.device_limits(device.index)
+    buckets = [r for tp in MOE_TP for r in cuda.bucket_records(device, cfg.moe_inter // tp, cfg.hidden)]
+    print(f"moe_w4a16: CUDA kernel built for {arch} by nvcc {nvcc}; shared memory a block up to "
+          f"{limits.smem_per_block:,} bytes" + (f" (lowered from {limits.lowered_from:,})" if limits.lowered_from else ""))
+    for r in buckets:
+        if not r["table_pick"]:
+            print(f"moe_w4a16 {r['shape']} M <= {r['bucket_max_m']}: {r['impl']} "
+                  f"(gate_up: {r['gate_up']['reason']}; down: {r['down']['reason']})")
+    impls = sorted({r["impl"] for r in buckets})
+    return {"impl": ", ".join(impls), "nvcc": nvcc, "cuda_arch": arch,
+            "limits": {"smem_per_block": limits.smem_per_block, "smem_lowered_from": limits.lowered_from,
+                       "regs_per_block": limits.regs_per_block, "regs_per_sm": limits.regs_per_sm},
+            "buckets": buckets}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     started = now_iso()
     device = torch.device("cuda", 0) if f["device"] == "cuda" else torch.device("cpu")
     kb = KernelBench(bench_kernels.PROFILES[(device.type, "full")], device)
-    moe_build = moe_cuda_build(device) if device.type == "cuda" else {}
+    moe_build = moe_cuda_build(device, kb.p.cfg) if device.type == "cuda" else {}
     kernels = {name: check(name, runs, kb) for name, runs in cases(kb, device).items()}
     kernels["moe_w4a16"].update(moe_build)
     body = {"arch_asked": a.arch, "device_found": {k: f[k] for k in ("device", "arch_found", "gpu_name", "gpu_count")},

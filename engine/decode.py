@@ -1,8 +1,13 @@
 """Decode loops: the target's plain greedy decoding and DDTree speculative decoding, batched.
 
-Both share prefill (one batched forward over right-padded prompts) and the same latent cache,
-so the lossless property is a like-for-like comparison: DDTree's greedy output must equal
-`greedy` token for token.
+Both share prefill and the same latent cache, so the lossless property is a like-for-like
+comparison: DDTree's greedy output must equal `greedy` token for token.
+
+Prefill is chunked: right-padded prompts go through the model `prefill_tokens` positions at a time
+(all sequences together), each chunk attending to the cache rows before it and causally within
+itself, so its memory is linear in the prompt (a [Bt, chunk, chunk] mask, never T x T) and the MoE
+sees at most that many tokens a forward. A prefilled batch (`Prefilled`) can be decoded several
+times: `rewind` puts it back, so a long point pays its prefill once.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from engine.model import LatentCache, TargetModel
 from kernels import ops
 
 STAGES = ("draft", "tree_build", "verify", "accept")
+# Positions a prefill forward takes at most, over all sequences: a few thousand keep the MoE's M
+# bounded and the chunk's mask small while each forward still fills the GPU.
+PREFILL_TOKENS = 4096
 
 
 class Clock:
@@ -85,7 +93,7 @@ class DecodeResult:
     """Generated tokens per sequence (the first comes from prefill) and the timings behind them."""
 
     tokens: list[list[int]]
-    ttft_s: list[float]  # per sequence, from the start of the call to its first token (batched prefill)
+    ttft_s: list[float]  # per sequence, from the start of its (batched) prefill to its first token
     decode_s: float = 0.0  # wall time of the step loop (DDTree: the sum of its steps, hint work excluded)
     step_s: list[float] = field(default_factory=list)
     stage_s: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
@@ -96,37 +104,96 @@ class DecodeResult:
     eager_steps: int = 0
 
 
+def chunk_len(batch: int, tokens: int) -> int:
+    """Prompt positions a sequence gets in one prefill forward when the batch shares `tokens`."""
+    return max(1, tokens // batch)
+
+
+def cache_rows(prompts: list[list[int]], max_new: int, budget: int, draft_len: int) -> int:
+    """Cache rows a speculative decode of up to max_new tokens needs: the prompt, the tokens it
+    keeps and one step's tree (and the padded path) past them."""
+    return max(map(len, prompts)) + max_new + budget + 2 * draft_len + 2
+
+
+@dataclass
+class Prefilled:
+    """A batch right after prefill. A decode moves only cache.lens and rows past it (a verify writes
+    its rows before it reads them), so `rewind` restores this state exactly: decoding it again
+    repeats the same steps."""
+
+    cache: LatentCache
+    bonus: Tensor  # [Bt] the first generated token of each sequence
+    feat: Tensor  # [Bt, H] the last prompt token's hidden state (the drafter's input)
+    lens: Tensor  # [Bt] int64 prompt lengths
+    ttft_s: list[float]
+
+    def rewind(self) -> tuple[LatentCache, Tensor, Tensor]:
+        """(cache back at the prompt lengths, bonus, feat): fresh copies a decode may overwrite."""
+        self.cache.lens.copy_(self.lens)
+        return self.cache, self.bonus.clone(), self.feat.clone()
+
+
 class Decoder:
     """Runs the target (and optionally the drafter) over a batch of prompts."""
 
-    def __init__(self, model: TargetModel, drafter: BlockDrafter | None = None):
+    def __init__(self, model: TargetModel, drafter: BlockDrafter | None = None,
+                 prefill_tokens: int = PREFILL_TOKENS):
+        if prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.model, self.drafter = model, drafter
         self.device = model.device
+        self.prefill_tokens = prefill_tokens
 
-    def _prefill(self, prompts: list[list[int]], capacity: int, clock: Clock,
-                 ttft: list[float]) -> tuple[LatentCache, Tensor, Tensor]:
-        """Fill the cache in one batched forward; return (cache, first tokens [Bt], last hidden [Bt, H]).
+    def prefill(self, prompts: list[list[int]], capacity: int, warm: bool = False) -> Prefilled:
+        """Fill a cache of `capacity` rows a sequence in chunks (module doc); TTFT is timed from
+        after the cache is allocated to the first tokens.
 
         Prompts are right-padded to the longest: under the causal mask a real token sees only
         earlier (real) tokens, so padding changes no real row; the padded rows land past each
-        sequence's length, where the first decode or verify overwrites them.
+        sequence's length, where the first decode or verify overwrites them. Each sequence's
+        first token and hidden state come from the chunk holding its last prompt token.
+        warm: run a chunk of each length the prefill uses once, untimed, before the timed prefill (its
+        kernels compile and tune there, as a server's would before its first request; Triton builds
+        a variant per divisibility of the lengths); the timed pass rewrites those rows.
         """
         m, dev = self.model, self.device
         bt, t = len(prompts), max(map(len, prompts))
+        if capacity < t:
+            raise ValueError(f"prefill: capacity {capacity} is below the longest prompt ({t} tokens)")
         cache = LatentCache.empty(m.cfg, bt, capacity, dev, m.dtype)
+        c = min(t, chunk_len(bt, self.prefill_tokens))
         tok = torch.zeros(bt, t, dtype=torch.int64)
         for b, p in enumerate(prompts):
             tok[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
-        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=dev)
-        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(bt, t, t).contiguous()
-        pos = torch.arange(t, device=dev).expand(bt, t).contiguous()
-        t0 = clock.t
-        logits, hidden = m.forward(tok.to(dev), pos, cache, causal, pick=lens - 1)
-        cache.lens += lens
-        bonus, feat = m.pick(logits[:, 0]), hidden[:, 0]
-        ttft.extend([clock.now() - t0] * bt)
-        clock.lap()
-        return cache, bonus, feat
+        lens_cpu = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+        if warm:  # each chunk length the prompts split into (the last may be shorter)
+            for n in sorted({c, t - (t - 1) // c * c}):
+                self._chunk(tok[:, :n].to(dev), lens_cpu.to(dev), 0, cache)
+                cache.lens.zero_()
+        clock = Clock(dev)
+        tok, lens = tok.to(dev), lens_cpu.to(dev)
+        last = None
+        for s0 in range(0, t, c):
+            logits, hidden = self._chunk(tok[:, s0:s0 + c], lens, s0, cache)
+            if last is None:
+                last = logits, hidden
+            else:  # sequences whose last prompt token is at or past s0: the chunk holding it writes last
+                here = ((lens - 1 - s0) >= 0).view(-1, 1, 1)
+                last = torch.where(here, logits, last[0]), torch.where(here, hidden, last[1])
+        cache.lens.copy_(lens)
+        bonus, feat = m.pick(last[0][:, 0]), last[1][:, 0]
+        return Prefilled(cache, bonus, feat, lens, [clock.lap()] * bt)
+
+    def _chunk(self, tok: Tensor, lens: Tensor, s0: int, cache: LatentCache) -> tuple[Tensor, Tensor]:
+        """One prefill forward: tok [Bt, n] at positions s0.. over the cache rows before them, causal
+        among themselves; the logits and hidden of each sequence's last prompt token where the chunk
+        holds it (else of a row the caller discards)."""
+        bt, n = tok.shape
+        pos = torch.arange(s0, s0 + n, device=tok.device).expand(bt, n)
+        pick = (lens - 1 - s0).clamp(0, n - 1)
+        out = self.model.forward(tok, pos, cache, None, pick=pick)
+        cache.lens += n
+        return out
 
     def _decode_one(self, cache: LatentCache, tok: Tensor) -> Tensor:
         """One plain greedy step for every sequence: tok [Bt] at row lens -> next token [Bt]."""
@@ -137,10 +204,11 @@ class Decoder:
 
     def greedy(self, prompts: list[list[int]], max_new: int) -> DecodeResult:
         """The target's own greedy decoding, one token per sequence per step."""
-        clock = Clock(self.device)
-        res = DecodeResult(tokens=[], ttft_s=[])
-        cache, bonus, _ = self._prefill(prompts, max(map(len, prompts)) + max_new + 1, clock, res.ttft_s)
+        pre = self.prefill(prompts, max(map(len, prompts)) + max_new + 1)
+        cache, bonus, _ = pre.rewind()
+        res = DecodeResult(tokens=[], ttft_s=pre.ttft_s)
         out = [[t] for t in bonus.tolist()]
+        clock = Clock(self.device)
         start = clock.t
         for _ in range(max_new - 1):
             bonus = self._decode_one(cache, bonus)
@@ -152,7 +220,8 @@ class Decoder:
         return res
 
     def speculative(self, prompts: list[list[int]], max_new: int, budget: int,
-                    level: float = 0.0, marks: bool = False, graphs: bool | None = None) -> DecodeResult:
+                    level: float = 0.0, marks: bool = False, graphs: bool | None = None,
+                    start: Prefilled | None = None) -> DecodeResult:
         """DDTree: draft L positions, build a B-node tree, verify it in one forward, accept, compact.
 
         level > 0 steers the drafter toward the target's greedy continuation (synthetic acceptance,
@@ -162,6 +231,8 @@ class Decoder:
         graphs (default: on CUDA): after one eager step, each stage is captured as a CUDA graph
         and replayed (engine.decode.StepGraphs); the stages are the same code either way.
         marks (CUDA): a marker kernel opens and closes each timed step (engine.gpu_busy).
+        start: decode from this prefill of `prompts` (rewound first; its TTFT is the result's)
+        instead of prefilling them now; its cache must hold `capacity` rows.
         """
         if self.drafter is None:
             raise ValueError("speculative decoding needs a drafter")
@@ -169,10 +240,15 @@ class Decoder:
         cfg = m.cfg
         graphs = dev.type == "cuda" if graphs is None else graphs
         dr.reset()
+        rows = cache_rows(prompts, max_new, budget, cfg.draft_len)
+        if start is None:
+            start = self.prefill(prompts, rows)
+        elif start.cache.ckv.shape[2] < rows or start.lens.tolist() != [len(p) for p in prompts]:
+            raise ValueError(f"speculative: the prefill given holds {start.cache.ckv.shape[2]} rows of prompts of "
+                             f"{start.lens.tolist()} tokens; this decode needs {rows} rows of these prompts")
+        cache, bonus, feat = start.rewind()
         clock = Clock(dev)
-        res = DecodeResult(tokens=[], ttft_s=[])
-        capacity = max(map(len, prompts)) + max_new + budget + 2 * cfg.draft_len + 2
-        cache, bonus, feat = self._prefill(prompts, capacity, clock, res.ttft_s)
+        res = DecodeResult(tokens=[], ttft_s=start.ttft_s)
         bt = len(prompts)
         out = [[t] for t in bonus.tolist()]
         # the step's state: inputs live in fixed buffers that the stages read and the accept stage

@@ -3,8 +3,8 @@
 MLA attention runs in its absorbed form (q_nope folded through W_UK into the latent space, the
 output taken back through W_UV), so the cache holds only the latent `ckv` and the shared rope key
 `kpe`. Routed experts are stored in K2's INT4 format and run through `kernels.ops.moe_w4a16`;
-attention through `kernels.ops.mla_tree_attention`. One forward serves prefill (causal mask),
-plain decode (T = 1) and tree verify (ancestor mask, positions = start + depth).
+attention through `kernels.ops.mla_tree_attention`. One forward serves prefill chunks (no mask
+given: causal), plain decode (T = 1) and tree verify (ancestor mask, positions = start + depth).
 
 Tensor parallel: with tp N the model is rank `rank` of an N-way deployment, its weights the slices
 engine.tp takes of the full layers it builds; its forward all-reduces after attention and after the
@@ -299,16 +299,21 @@ class TargetModel:
             routed = ops.moe_w4a16(flat, lw["w13_q"], lw["w13_s"], lw["w2_q"], lw["w2_s"], ids, w, impl=self.impl)
         return (routed + swiglu(flat, lw["sh_w13"], lw["sh_w2"])).view(shape)
 
-    def forward(self, tokens: Tensor, positions: Tensor, cache: LatentCache, tree_mask: Tensor,
+    def forward(self, tokens: Tensor, positions: Tensor, cache: LatentCache, tree_mask: Tensor | None,
                 pick: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """tokens/positions [Bt, T] sit at cache rows lens .. lens+T-1 (the cache's lens is not moved).
 
+        tree_mask [Bt, T, T]: which of the T new tokens each one sees (besides every cached row); None:
+        a chunk of prompt, each token seeing the chunk's tokens up to itself (one causal mask, made here).
         Returns (logits [Bt, T, V / tp]: this rank's vocab shard, hidden [Bt, T, H]) with hidden the last layer's output before
         the final norm, which the drafter conditions on; with `pick` ([Bt] row per sequence, e.g.
         each prompt's last token in a padded prefill) only that row: [Bt, 1, V] and [Bt, 1, H].
         """
+        bt, t = tokens.shape
+        if tree_mask is None:
+            tree_mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril().expand(bt, t, t)
         x = self.embed[tokens]
-        rows = cache.lens.unsqueeze(1) + torch.arange(tokens.shape[1], device=tokens.device)
+        rows = cache.lens.unsqueeze(1) + torch.arange(t, device=tokens.device)
         angles = rope_angles(positions, self.cfg.rope_dim, self.cfg.rope_theta)
         for li, lw in enumerate(self.layers):
             x = x + self.comm.all_reduce(self._attention(rms_norm(x, lw["attn_norm"], self.cfg.norm_eps), lw, li,

@@ -3,7 +3,7 @@
 On CUDA: warm-up, then per repeat an L2 flush (`flush_l2`: a buffer larger than L2 is read)
 followed by a pair of device events around the op, replayed from a CUDA graph when the op allows
 capture (launch gaps would otherwise dominate small ops), eager otherwise. On the CPU: perf_counter
-around each call; those rows carry device "cpu".
+around each call; those rows carry device "cpu". `host_us`: the host side of an eager call.
 """
 
 from __future__ import annotations
@@ -109,6 +109,25 @@ def time_op(fn: Callable[[], object], device: torch.device, repeats: int, warmup
         pairs.append((a, b))
     torch.cuda.synchronize(device)
     return _summary([a.elapsed_time(b) * 1e3 for a, b in pairs], g is not None)
+
+
+def host_us(fn: Callable[[], object], device: torch.device, calls: int = 10, rounds: int = 5, warmup: int = 3) -> float:
+    """Host time of one eager call of fn, called back to back: no graph, no synchronization between
+    the calls of a round (the GPU runs behind), median over `rounds` rounds of `calls` calls. What an
+    eager caller (prefill, the first decode steps) pays on the CPU per call, beside the GPU time."""
+    for _ in range(warmup):
+        fn()
+    per_call = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - t) * 1e6 / calls)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return float(np.median(per_call))
 
 
 def copy_gbps(device: torch.device) -> float:

@@ -28,7 +28,7 @@ TERM_FAMILIES = {"verify_ms": ("moe_w4a16", "mla_tree_attention"), "tree_build_m
 # The size axis of each family: what the size backtest holds out.
 SIZE_AXIS = {"moe_w4a16": "M", "mla_tree_attention": "context", "build_tree": "budget", "tree_accept": "budget",
              "dense_gemm": "M"}
-E2E_CONTEXT = 512   # typical context of an e2e step (prompts of 256-512 tokens plus the new ones)
+E2E_CONTEXT = 512   # context of a short-prompt e2e step (prompts of 256-512 tokens plus the new ones)
 
 Row = Mapping[str, Any]
 
@@ -77,10 +77,12 @@ def e2e_key(row: Row, without: tuple[str, ...] = ()) -> tuple:
 
 
 def step_shapes(e2e: Row) -> dict[str, dict[str, float]]:
-    """The kernel shape each family runs at in one step of an e2e point."""
+    """The kernel shape each family runs at in one step of an e2e point (attention over the row's
+    prompt length where that is longer than a short-prompt step's context: the context axis)."""
     conc, budget = e2e["concurrency"], e2e["budget"]
+    context = max(e2e.get("context") or 0, E2E_CONTEXT)
     return {"moe_w4a16": {"M": conc * (budget + 1)},
-            "mla_tree_attention": {"batch": conc, "budget": budget, "context": E2E_CONTEXT},
+            "mla_tree_attention": {"batch": conc, "budget": budget, "context": context},
             "build_tree": {"batch": conc, "budget": budget}, "tree_accept": {"batch": conc, "budget": budget}}
 
 

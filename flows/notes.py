@@ -328,9 +328,20 @@ def at_full_depth(run: Run) -> list[dict[str, Any]]:
     return [e for e in run.rows("e2e") if e["tokens_per_s"] and e["layers"] and e["layers"] >= full_depth(e)]
 
 
+def shortest_context(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows at the shortest prompts of their (tp, concurrency): the short-prompt sweep, not the
+    context axis beside it (a row without a context counts as short)."""
+    low: dict[tuple[int, int], int] = {}
+    for e in rows:
+        key = (tp_of(e), e["concurrency"])
+        low[key] = min(low.get(key, e["context"] or 0), e["context"] or 0)
+    return [e for e in rows if (e["context"] or 0) == low[(tp_of(e), e["concurrency"])]]
+
+
 def full_model_rows(run: Run) -> dict[int, dict[str, Any]]:
-    """Per headline concurrency, the fastest full-depth e2e row at the run's largest TP degree."""
-    rows = at_full_depth(run)
+    """Per headline concurrency, the fastest full-depth e2e row at the run's largest TP degree, at
+    its shortest prompts."""
+    rows = shortest_context(at_full_depth(run))
     if not rows:
         return {}
     tp = max(tp_of(e) for e in rows)
@@ -503,6 +514,15 @@ class AcceptView:
 
 
 @dataclass(frozen=True)
+class ContextView:
+    table: Table | None
+    plot: str | None
+    crossover: tuple[str, ...]                    # per series: where attention overtakes the MoE, or why unknown
+    skipped: tuple[str, ...]                      # every skipped e2e point: reason and bytes
+    why_not: str                                  # when there is no series to plot
+
+
+@dataclass(frozen=True)
 class E2EView:
     source: SourceLine
     method: str | None  # the e2e suite's own note in that run: how its figures were made
@@ -510,6 +530,7 @@ class E2EView:
     levels: str
     table: Table
     accept: AcceptView
+    context: ContextView
     split: Table
     amdahl: str
     busy: Table | None
@@ -642,20 +663,29 @@ def history(view: HostView) -> Table:
     return Table.of(("run", "started", "profile", "suites", "payload", "status", "shown here"), rows)
 
 
+def roofline_us(k: dict[str, Any], copy: float | None, mm: float | None) -> float | None:
+    """A point's floor: max(bytes / copy bandwidth, flops / matmul rate) at the run's own ceilings (us)."""
+    if not copy or not mm:
+        return None
+    return max(k["bytes"] / (copy * 1e3), k["flops"] / (mm * 1e6))
+
+
 def moe_table(view: HostView, run: Run, pts: list[dict[str, Any]], tp: int) -> MoeTable:
-    copy, _ = ceilings_of(run, view.spec)
+    copy, mm = ceilings_of(run, view.spec)
     spec_bw = view.spec.mem_bw_gbps if view.spec else None
     projected = view.kind == "projected"
-    head = ["M", "impl", "us", "us/token", "MB moved", "GB/s", "% of copy BW", "% of spec BW",
-            "unique experts (expected)"]
+    head = ["M", "impl", "us", "host us", "us/token", "MB moved", "GB/s", "% of copy BW", "% of spec BW",
+            "roofline %", "unique experts (expected)"]
     if projected:
         head[2:3] = ["us", "band (us)", "regime (ref)"]
     rows = []
     for k in pts:
         t = k["time_us_p50"]
         gb = k["bytes"] / (t * 1e3)
-        row = [str(k["M"]), md(k["impl"]), fmt(t), fmt(t / k["M"], 2), fmt(k["bytes"] / 1e6), sig(gb),
-               fmt(100 * gb / copy if copy else None), fmt(100 * gb / spec_bw if spec_bw else None),
+        floor = roofline_us(k, copy, mm)
+        row = [str(k["M"]), md(k["impl"]), fmt(t), fmt(k.get("host_us")), fmt(t / k["M"], 2), fmt(k["bytes"] / 1e6),
+               sig(gb), fmt(100 * gb / copy if copy else None), fmt(100 * gb / spec_bw if spec_bw else None),
+               fmt(100 * floor / t if floor else None),
                f"{k['unique_experts'] if k['unique_experts'] is not None else '-'} ({fmt(k['expected_experts'])})"]
         if projected:
             row[2:3] = [fmt(t), band_text(k["time_us_low"], k["time_us_high"]),
@@ -783,8 +813,9 @@ def _group_by(rows: list[dict[str, Any]], key: Any) -> dict[Any, list[dict[str, 
 def accept_view(view: HostView, run: Run, out_dir: Path, rel: str) -> AcceptView:
     """Tokens/s against the measured accepted length at the model's full depth, one line per
     (tp, concurrency): a reader with their own drafter's acceptance reads off their figure. At each
-    acceptance level the fastest node budget stands for the point."""
-    rows = at_full_depth(run)
+    acceptance level the fastest node budget stands for the point; the shortest prompts only (the
+    context axis has its own section)."""
+    rows = shortest_context(at_full_depth(run))
     if not rows:
         why = no_full_depth(run) or "no e2e rows with a figure"
         return AcceptView(None, None, why)
@@ -820,25 +851,108 @@ def accept_view(view: HostView, run: Run, out_dir: Path, rel: str) -> AcceptView
     return AcceptView(Table.of(head, table), f"{rel}/tokens_vs_accept.png", "")
 
 
+def context_series(run: Run) -> dict[tuple, list[dict[str, Any]]]:
+    """Full-depth rows by (tp, concurrency, level, budget), shortest prompt first, where a series
+    has two or more prompt lengths: tokens/s against context."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for e in at_full_depth(run):
+        if e["context"] is not None:
+            key = (tp_of(e), e["concurrency"], e["synthetic_accept"] or 0.0, e["budget"])
+            groups.setdefault(key, []).append(e)
+    return {k: sorted(v, key=lambda e: e["context"]) for k, v in sorted(groups.items())
+            if len({e["context"] for e in v}) > 1}
+
+
+def crossover(name: str, series: list[dict[str, Any]]) -> str:
+    """Where attention's GPU time a step passes the MoE's along one series, from the rows' own
+    per-family split; said to be unknown where the rows have none."""
+    split = [e for e in series if e["attention_ms"] is not None and e["moe_ms"] is not None]
+    if not split:
+        return (f"{name}: these rows have no per-family split of the step (the profiled CUDA decode records "
+                "attention and MoE time), so where attention overtakes the MoE is not known.")
+    lack = "" if len(split) == len(series) else f" (of the {len(split)} prompt lengths with a per-family split)"
+
+    def at(e: dict[str, Any]) -> str:
+        return f"{fmt(e['attention_ms'], 2)} vs {fmt(e['moe_ms'], 2)} ms a step at {e['context']:,} tokens"
+
+    over = next((i for i, e in enumerate(split) if e["attention_ms"] > e["moe_ms"]), None)
+    if over is None:
+        return f"{name}: attention stays below the MoE up to {split[-1]['context']:,} tokens{lack} ({at(split[-1])})."
+    if over == 0:
+        return f"{name}: attention already takes longer than the MoE at the shortest prompt{lack} ({at(split[0])})."
+    return (f"{name}: attention overtakes the MoE between {split[over - 1]['context']:,} and "
+            f"{split[over]['context']:,} tokens{lack} ({at(split[over - 1])}; {at(split[over])}).")
+
+
+def skipped_points(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """Each skipped e2e point in words: its key, the bytes it needed and the run's reason."""
+    out = []
+    for e in sorted((e for e in rows if e["status"] != "ok"), key=lambda e: (tp_of(e), e["concurrency"],
+                                                                             e["context"] or 0, e["budget"])):
+        gb = f", {e['memory_bytes'] / 1e9:,.1f} GB needed" if e["memory_bytes"] else ""
+        ctx = "-" if e["context"] is None else f"{e['context']:,}"
+        out.append(f"TP-{tp_of(e)} C={e['concurrency']} B={e['budget']} context {ctx}{gb}: "
+                   f"{md(e['status'])}: {md(e['skip_reason'] or '-', cap=400)}")
+    return tuple(out)
+
+
+def context_view(view: HostView, run: Run, out_dir: Path, rel: str) -> ContextView:
+    """Tokens/s against the prompt length at the model's full depth, one line per (tp, concurrency)
+    (measured or projected, as the page is), where attention overtakes the MoE, and the skipped points."""
+    skipped = skipped_points(run.rows("e2e"))
+    series = context_series(run)
+    if not series:
+        why = no_full_depth(run) or ("the e2e rows here have one prompt length per tensor-parallel degree and "
+                                     "concurrency (the CUDA full profile's context axis adds prompts of 1k-128k tokens)")
+        return ContextView(None, None, (), skipped, why)
+    projected = view.kind == "projected"
+    head = ["tp", "concurrency", "level", "budget", "context", "tokens/s", "TTFT ms", "step ms (p50)",
+            "attention ms", "MoE ms", "attention / MoE"]
+    if projected:
+        head.insert(6, "band (tokens/s)")
+    table, lines, words = [], [], []
+    for (tp, conc, level, budget), rows in series.items():
+        name = f"TP-{tp} C={conc} (level {level:g}, B={budget})"
+        for e in rows:
+            att, moe = e["attention_ms"], e["moe_ms"]
+            r = [str(tp), str(conc), f"{level:g}", str(budget), f"{e['context']:,}", fmt(e["tokens_per_s"], 0),
+                 fmt(e["ttft_ms"], 0), fmt(e["step_ms_p50"], 2), fmt(att, 2), fmt(moe, 2),
+                 fmt(att / moe, 2) if att is not None and moe else "-"]
+            if projected:
+                r.insert(6, band_text(e["tokens_per_s_low"], e["tokens_per_s_high"], 0))
+            table.append(r)
+        lines.append((name, [e["context"] for e in rows], [e["tokens_per_s"] for e in rows],
+                      ([e["tokens_per_s_low"] for e in rows], [e["tokens_per_s_high"] for e in rows])
+                      if projected and all(e["tokens_per_s_low"] is not None for e in rows) else None))
+        words.append(crossover(name, rows))
+    plots.lines(out_dir / "tokens_vs_context.png", lines, f"{view.name}: full model, tokens/s by context ({view.kind})",
+                "context (prompt tokens a sequence)", "tokens/s")
+    return ContextView(Table.of(head, table), f"{rel}/tokens_vs_context.png", tuple(words), skipped, "")
+
+
 def e2e_view(view: HostView, out_dir: Path, rel: str) -> E2EView | None:
     src = view.source("e2e")
     if src is None:
         return None
     run = src.run
-    rows = sorted(run.rows("e2e"), key=lambda e: (e["config"], e["layers"] or 0, tp_of(e),
-                                                  e["synthetic_accept"] or 0, e["budget"], e["concurrency"]))
+    every = sorted(run.rows("e2e"), key=lambda e: (e["config"], e["layers"] or 0, tp_of(e),
+                                                   e["synthetic_accept"] or 0, e["budget"], e["context"] or 0,
+                                                   e["concurrency"]))
     projected = view.kind == "projected"
-    head = ["config", "layers", "tp", "level", "budget", "concurrency", "accepted / step", "tokens/s", "step ms (p50)"]
+    head = ["config", "layers", "tp", "level", "budget", "concurrency", "context", "accepted / step", "tokens/s",
+            "step ms (p50)"]
     if projected:
-        head.insert(8, "band (tokens/s)")
+        head.insert(9, "band (tokens/s)")
     table = []
-    for e in rows:
+    for e in every:
         r = [md(e["config"]), str(e["layers"]), str(tp_of(e)),
              "-" if e["synthetic_accept"] is None else f"{e['synthetic_accept']:g}", str(e["budget"]),
-             str(e["concurrency"]), fmt(e["accept_len_mean"], 2), fmt(e["tokens_per_s"], 0), fmt(e["step_ms_p50"], 2)]
+             str(e["concurrency"]), "-" if e["context"] is None else f"{e['context']:,}", fmt(e["accept_len_mean"], 2),
+             fmt(e["tokens_per_s"], 0) if e["status"] == "ok" else md(e["status"]), fmt(e["step_ms_p50"], 2)]
         if projected:
-            r.insert(8, band_text(e["tokens_per_s_low"], e["tokens_per_s_high"], 0))
+            r.insert(9, band_text(e["tokens_per_s_low"], e["tokens_per_s_high"], 0))
         table.append(r)
+    rows = [e for e in every if e["status"] == "ok" and e["step_ms_p50"]]   # points with figures
     level = sorted({e["synthetic_accept"] for e in rows if e["synthetic_accept"] is not None})
     # the step split and its Amdahl shares; for a projection, the reference's next to the target's
     ref_rows = {}
@@ -846,7 +960,7 @@ def e2e_view(view: HostView, out_dir: Path, rel: str) -> E2EView | None:
         ref_rows = {e2e_key(e, without=("tp",)): e for e in view.projection.ref.rows("e2e")}
     split, fams, bars = [], [], []
     point_label = point_labels(rows)
-    ends = {min(e["concurrency"] for e in rows), max(e["concurrency"] for e in rows)}
+    ends = {min(e["concurrency"] for e in rows), max(e["concurrency"] for e in rows)} if rows else set()
     for e in rows:
         key = e2e_key(e, without=("tp",))
         sides = [(view.projection.ref_host, ref_rows[key])] if key in ref_rows else []
@@ -873,14 +987,14 @@ def e2e_view(view: HostView, out_dir: Path, rel: str) -> E2EView | None:
                             f"{100 * e['outside_ms'] / (e['kernel_ms'] + e['outside_ms']):.0f}%"] for e in busy]) \
         if busy else None
     largest = ""
-    if projected:
+    if projected and rows:
         last = rows[-1]
         b = family_split(last) or breakdown(last)
         top = max(b, key=lambda t: (b[t], t))
         largest = (f"At concurrency {last['concurrency']} the largest term on {view.name} is "
                    f"{top.removesuffix('_ms')} ({100 * b[top] / sum(b.values()):.0f}% of the step).")
     return E2EView(source_line(src), suite_method(run, "e2e", projected), projected, ", ".join(f"{x:g}" for x in level) or "-", Table.of(head, table),
-                   accept_view(view, run, out_dir, rel),
+                   accept_view(view, run, out_dir, rel), context_view(view, run, out_dir, rel),
                    Table.of(["point"] + [t.removesuffix("_ms") for t in TERMS] + ["step ms"], split),
                    f"{rel}/amdahl.png", busy_table, largest,
                    Table.of(["point"] + [FAMILY_NAMES[t] for t in FAMILY_TERMS] + ["step ms"], fams) if fams else None)
@@ -901,9 +1015,9 @@ def family_split(row: dict[str, Any]) -> dict[str, float] | None:
 
 def point_labels(rows: Sequence[dict[str, Any]]) -> Callable[[dict[str, Any]], str]:
     """How an e2e point is named in the split, busy and comparison tables: its budget and
-    concurrency, plus depth, TP degree and acceptance level where the rows differ in them."""
+    concurrency, plus depth, TP degree, acceptance level and context where the rows differ in them."""
     axes = [(name, get) for name, get in (("L", lambda e: e["layers"]), ("tp", tp_of),
-                                          ("a", lambda e: e["synthetic_accept"]))
+                                          ("a", lambda e: e["synthetic_accept"]), ("ctx", lambda e: e["context"]))
             if len({get(e) for e in rows}) > 1]
 
     def name(e: dict[str, Any]) -> str:
@@ -1026,6 +1140,12 @@ def assumption_text(a: dict[str, Any]) -> str:
         return (f"comm = {a['allreduces_per_layer']} all-reduces per layer x layers of tokens x hidden x 2 bytes "
                 f"over a ring of {a['gpus']}, alpha {a['alpha_us']:g} us, {a['efficiency']:.0%} "
                 f"({a['efficiency_low']:.0%}-{a['efficiency_high']:.0%}) of {link} ({how})")
+    if what == "e2e_not_measured":
+        listed = "; ".join(f"TP-{int(q['tp'])} C={int(q['concurrency'])} B={int(q['budget'])} context "
+                           f"{'-' if q['context'] is None else format(int(q['context']), ',')}: "
+                           f"{md(q['reason'], cap=300)}" for q in a["points"])
+        more = f"; and {a['count'] - len(a['points'])} more" if a["count"] > len(a["points"]) else ""
+        return f"{a['count']} e2e point(s) the reference skipped (not measured there), so not projected: {listed}{more}"
     if what == "e2e_without_split":
         return f"{a['rows']} e2e row(s) of the reference have no step split (outside figures): not projected"
     if what == "band":

@@ -39,6 +39,8 @@ __all__ = ["ALLREDUCES_PER_LAYER", "Machine", "ProjectionError", "Tables", "allr
 TERMS = ("draft_ms", "tree_build_ms", "verify_ms", "accept_ms", "other_ms", "comm_ms")
 # What launching a GPU kernel costs on the host, kept as is on any target (capped at half a point's time).
 LAUNCH_FLOOR_US = 3.0
+# The reference's skipped e2e points named in the assumptions (each reason cut): a bounded provenance.
+NOT_MEASURED_LISTED, SKIP_REASON_CHARS = 20, 300
 
 
 def assumptions(tables: Tables) -> list[dict[str, Any]]:
@@ -250,6 +252,7 @@ class _Parts:
     tp_how: list[dict[str, Any]]
     comm: CommModel
     skipped_e2e: int
+    not_measured: list[dict[str, Any]]   # the reference's skipped e2e points: nothing to carry
 
 
 def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str, evidence: Sequence[Any]) -> _Parts:
@@ -262,7 +265,10 @@ def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str, evidence:
     comm = comm_model(rows_of(tables, "comm"), ref, target)
     eproj, how = project_e2e(tables, model, evidence, run_id, ref_run_id)
     e2e = [r for r in rows_of(tables, "e2e") if r["source"] == "measured"]
-    return _Parts(run_id, model, kproj, eproj, how, comm, sum(1 for r in e2e if not has_split(r)))
+    ok = [r for r in e2e if r["status"] == "ok"]
+    skipped = [{"tp": tp_of(r), **{k: r[k] for k in ("concurrency", "budget", "context", "synthetic_accept")},
+                "reason": (r["skip_reason"] or "-")[:SKIP_REASON_CHARS]} for r in e2e if r["status"] != "ok"]
+    return _Parts(run_id, model, kproj, eproj, how, comm, sum(1 for r in ok if not has_split(r)), skipped)
 
 
 def _widen(low: float | None, high: float | None, other: dict[str, Any], central: str, lo_k: str,
@@ -361,5 +367,8 @@ def assumption_records(ref: Machine, target: Machine, ref_run_id: str, p: _Parts
                      "allreduces_per_layer": ALLREDUCES_PER_LAYER})
     if p.skipped_e2e:
         recs.append({"what": "e2e_without_split", "rows": p.skipped_e2e})
+    if p.not_measured:
+        recs.append({"what": "e2e_not_measured", "count": len(p.not_measured),
+                     "points": p.not_measured[:NOT_MEASURED_LISTED]})
     recs.append({"what": "band", "references": refs, "min_points": MIN_POINTS})
     return recs

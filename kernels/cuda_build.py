@@ -6,7 +6,10 @@ is cached by the hash of (source, nvcc version, arch, flags), like Triton's cach
 `engine.build` compiles once and the benches load it. Launches go through the driver API on
 torch's current stream, so they are captured by CUDA graphs like any other kernel; a launch may ask
 for programmatic dependent launch (sm_90 on), so that its CTAs start while the kernel before it drains
-(the kernel then waits for that one's results with griddepcontrol.wait).
+(the kernel then waits for that one's results with griddepcontrol.wait). A `Launch` is set up once
+(config struct, argument buffer), so an eager call pays the driver's launch and little else. The
+driver also answers what a device allows (`device_attribute`) and what a kernel needs
+(`Kernel.attribute`), which the MoE's config check reads.
 
 A host without nvcc (or with one that fails) gets `CudaUnavailable` with the reason; the callers
 then run the Triton kernel and say so (build.json, the impl column).
@@ -23,6 +26,7 @@ from functools import cache
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -30,6 +34,14 @@ NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17")
 NVCC_TIMEOUT_S = 600
 DEFAULT_NVCC = Path("/usr/local/cuda/bin/nvcc")
 _MAX_DYNAMIC_SMEM = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+# cuda.h's CUdevice_attribute values read by device_attribute
+MAX_REGISTERS_PER_BLOCK = 12
+MAX_REGISTERS_PER_MULTIPROCESSOR = 82
+MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+# cuda.h's CUfunction_attribute values read by Kernel.attribute
+FUNC_MAX_THREADS_PER_BLOCK = 0
+FUNC_SHARED_SIZE_BYTES = 1
+FUNC_NUM_REGS = 4
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
 
@@ -83,12 +95,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KDBENCH_CUDA_CACHE") or Path.home() / ".cache" / "kdbench" / "cuda")
 
 
-def compile_cubin(source: Path, arch: str) -> Path:
-    """The cached cubin of `source` for `arch`, compiled now if missing (atomic: tmp file, then rename)."""
+def compile_cubin(source: Path, arch: str, defines: tuple[str, ...] = ()) -> Path:
+    """The cached cubin of `source` for `arch` with macros `defines` (names) set, compiled now if
+    missing (atomic: tmp file, then rename)."""
     nvcc = nvcc_path()
     version = nvcc_version(nvcc)
     num = arch.removeprefix("sm_")
-    flags = (*NVCC_FLAGS, f"-gencode=arch=compute_{num},code=sm_{num}")
+    flags = (*NVCC_FLAGS, f"-gencode=arch=compute_{num},code=sm_{num}", *(f"-D{d}" for d in defines))
     key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(), " ".join(flags).encode()])).hexdigest()
     out = cache_dir() / f"{source.stem}-{arch}-{key[:16]}.cubin"
     if out.is_file():
@@ -126,23 +139,58 @@ def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
 
 
+def device_attribute(index: int, attribute: int) -> int:
+    """cuDeviceGetAttribute of CUDA device `index` (the ordinal torch uses): the driver's own limits."""
+    lib = _driver()
+    dev, value = ctypes.c_int(), ctypes.c_int()
+    _check(lib, lib.cuDeviceGet(ctypes.byref(dev), index), f"cuDeviceGet({index})")
+    _check(lib, lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, dev), f"cuDeviceGetAttribute({attribute})")
+    return value.value
+
+
 class Kernel:
-    """One __global__ function of a loaded module; call with (grid, block, smem, args)."""
+    """One __global__ function of a loaded module: its attributes, and launches through `Launch`."""
 
     def __init__(self, lib: ctypes.CDLL, fn: ctypes.c_void_p, name: str) -> None:
         self.lib, self.fn, self.name, self._smem = lib, fn, name, 0
 
-    def __call__(self, grid: Sequence[int], block: int, smem: int, args: Sequence[object], pdl: bool = False) -> None:
-        """Launch on torch's current stream; `pdl`: as a programmatic dependent launch (sm_90 on: the
-        kernel must griddepcontrol.wait before it reads what the kernel before it writes)."""
-        if smem > self._smem:  # above 48 KB a kernel must opt in to more dynamic shared memory
+    def attribute(self, attribute: int) -> int:
+        """cuFuncGetAttribute: what the compiled function needs (registers, static shared memory) on this device."""
+        value = ctypes.c_int()
+        _check(self.lib, self.lib.cuFuncGetAttribute(ctypes.byref(value), attribute, self.fn),
+               f"{self.name}: cuFuncGetAttribute({attribute})")
+        return value.value
+
+    def reserve_smem(self, smem: int) -> None:
+        """Opt in to `smem` bytes of dynamic shared memory a launch (needed above 48 KB), once per size."""
+        if smem > self._smem:
             _check(self.lib, self.lib.cuFuncSetAttribute(self.fn, _MAX_DYNAMIC_SMEM, ctypes.c_int(smem)),
                    f"{self.name}: cuFuncSetAttribute({smem} bytes)")
             self._smem = smem
-        cargs = [a if isinstance(a, ctypes._SimpleCData) else _arg(a) for a in args]
-        params = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(a) for a in cargs])
-        config = launch_config(grid, block, smem, torch.cuda.current_stream().cuda_stream, pdl)
-        _check(self.lib, self.lib.cuLaunchKernelEx(ctypes.byref(config), self.fn, params, None), f"launch {self.name}")
+
+
+class Launch:
+    """One launch of a kernel, set up once: its config (grid, 1-D block, dynamic shared memory,
+    programmatic dependent launch) and its arguments, 8 bytes a slot in `args` (a view of the
+    caller's int64 buffer: pointers, and ints read from the low 4 bytes). A call writes the stream
+    and launches on it: nothing is built per call, which is what an eager caller pays for."""
+
+    def __init__(self, kernel: Kernel, grid: Sequence[int], block: int, smem: int, args: np.ndarray, pdl: bool) -> None:
+        if args.dtype != np.int64 or not args.flags.c_contiguous:
+            raise ValueError("Launch arguments must be a contiguous int64 buffer")
+        kernel.reserve_smem(smem)
+        self.kernel, self.args = kernel, args
+        self.params = (ctypes.c_void_p * len(args))(*(args.ctypes.data + 8 * i for i in range(len(args))))
+        self.config = launch_config(grid, block, smem, 0, pdl)
+        self._config = ctypes.byref(self.config)
+        self._launch = kernel.lib.cuLaunchKernelEx
+
+    def __call__(self, stream: int) -> None:
+        """Launch on `stream` (a raw CUstream: torch's current one, so CUDA graphs capture it)."""
+        self.config.stream = stream
+        rc = self._launch(self._config, self.kernel.fn, self.params, None)
+        if rc:
+            _check(self.kernel.lib, rc, f"launch {self.kernel.name}")
 
 
 def launch_config(grid: Sequence[int], block: int, smem: int, stream: int, pdl: bool) -> LaunchConfig:
@@ -153,14 +201,11 @@ def launch_config(grid: Sequence[int], block: int, smem: int, stream: int, pdl: 
                         smem=smem, stream=stream, attrs=ctypes.pointer(attr), num_attrs=int(pdl))
 
 
-def _arg(a: object) -> ctypes._SimpleCData:
-    if a is None:  # a pointer argument the kernel is told to leave alone
-        return ctypes.c_void_p(None)
-    if isinstance(a, torch.Tensor):
-        return ctypes.c_void_p(a.data_ptr())
-    if isinstance(a, int):  # bool included
-        return ctypes.c_int(int(a))
-    raise TypeError(f"kernel argument of type {type(a).__name__}")
+def current_stream(index: int) -> int:
+    """torch's current raw stream on device `index` (the private call torch's own extensions use: a
+    tenth of the cost of torch.cuda.current_stream(), which builds a Stream object)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 class Module:
@@ -185,8 +230,9 @@ class Module:
 
 
 @cache
-def module(source_name: str, device: torch.device) -> Module:
-    """kernels/<source_name> built (or taken from the cache) for `device`'s arch and loaded."""
+def module(source_name: str, device: torch.device, defines: tuple[str, ...] = ()) -> Module:
+    """kernels/<source_name> built (or taken from the cache) for `device`'s arch, with macros
+    `defines` set, and loaded."""
     if device.type != "cuda":
         raise CudaUnavailable(f"{source_name} needs a CUDA device, not {device.type}")
-    return Module(compile_cubin(HERE / source_name, arch_of(device)), device)
+    return Module(compile_cubin(HERE / source_name, arch_of(device), defines), device)

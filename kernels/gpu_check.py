@@ -1,8 +1,10 @@
-"""Check and time every kernel at K2 shapes on one GPU: `python -m kernels.gpu_check --out DIR`.
+"""Check and time the Triton kernels at K2 shapes on one GPU: `python -m kernels.gpu_check --out DIR`.
 
-Order: ceilings first (device-to-device copy bandwidth, bf16 matmul rate), then each kernel against
-its reference in bf16 with fresh random inputs and every kernel-allocated buffer poisoned (NaN /
-sentinel), then timings (CUDA-graph replays, median) with the floors beside them. Writes
+Order: ceilings first (device-to-device copy bandwidth, bf16 matmul rate: engine.timing's), then
+each kernel against its reference in bf16 with fresh random inputs and every kernel-allocated
+buffer poisoned (NaN / sentinel), then timings (engine.timing.time_op: CUDA-graph replays after a
+reading L2 flush, median) with the floors beside them. The CUDA C++ MoE has its own sweep,
+engine/moe_sweep.py. Writes
 DIR/gpu_check.jsonl (one record per measurement) and DIR/gpu_check.md (the table); sections that
 fail are logged and the rest still run.
 """
@@ -22,8 +24,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench, do_bench_cudagraph
 
+from engine.timing import copy_gbps, matmul_tflops, time_op
 from kernels import mla_verify, moe_gemm, reference, tree_accept, tree_build
 from kernels.reference import Tree
 
@@ -77,29 +79,21 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bench(fn: Callable[[], Any], graph: bool = True, rep: int = 60) -> float:
-    """Median microseconds; CUDA-graph replay when asked (strips Python and launch gaps)."""
-    if graph:
-        return 1e3 * do_bench_cudagraph(fn, rep=rep, return_mode="median")
-    return 1e3 * do_bench(fn, warmup=10, rep=60, return_mode="median")
+    """Median microseconds of `rep` timed calls by engine.timing.time_op (the bench runner's harness:
+    L2 evicted by a read before each; CUDA-graph replays when `graph`, which strips launch gaps)."""
+    return time_op(fn, torch.device("cuda"), repeats=rep, graph=graph).p50_us
 
 
 # ----------------------------------------------------------------------------- ceilings
 
 
 def ceilings(log: Log) -> tuple[float, float]:
-    n = 1 << 30  # 2 GiB bf16 -> 4 GiB moved per copy
-    a = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    us = bench(lambda: b.copy_(a), graph=False)
-    bw = 2 * a.numel() * 2 / (us * 1e-6)
-    del a, b
-    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    us_mm = bench(lambda: x @ y, graph=False)
-    tf = 2 * 8192**3 / (us_mm * 1e-6)
-    log(section="ceiling", copy_gbps=bw / 1e9, bf16_tflops=tf / 1e12, copy_us=us, mm_us=us_mm,
-        gpu=torch.cuda.get_device_name(), sms=torch.cuda.get_device_properties(0).multi_processor_count,
-        torch=torch.__version__, triton=triton.__version__)
+    """The device's copy bandwidth and bf16 matmul rate, measured as the bench runner measures them."""
+    dev = torch.device("cuda")
+    bw, tf = copy_gbps(dev) * 1e9, matmul_tflops(dev) * 1e12
+    log(section="ceiling", copy_gbps=bw / 1e9, bf16_tflops=tf / 1e12, gpu=torch.cuda.get_device_name(),
+        sms=torch.cuda.get_device_properties(0).multi_processor_count, torch=torch.__version__,
+        triton=triton.__version__)
     return bw, tf
 
 

@@ -11,96 +11,81 @@ and later the five launches are programmatic dependent launches (moe_w4a16.cu's 
 wait), so each kernel's CTAs start while the one before drains.
 
 `unavailable_reason(device)` says why this host cannot run it (no nvcc, the cubin does not build),
-None when it can; `supports` says whether the inputs' M bucket is one it serves. ops runs the Triton
-kernel otherwise, and engine.build records which one runs.
+None when it can. The configs come from kernels/moe_configs.py's table for the device's arch, each
+checked against the device's limits (`device_limits`: the driver's shared-memory opt-in and
+registers; `kernel_resources`: the loaded kernel's own); `supports` says whether the inputs' M
+bucket runs here. ops runs the Triton kernel otherwise, and engine.build records, per bucket, which
+one runs and why.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from functools import cache
 
+import numpy as np
 import torch
 import triton
 from torch import Tensor
 
 from kernels import cuda_build
+from kernels.moe_configs import (KERNELS, Bucket, Choice, DeviceLimits, KernelResources, PassConfig, bucket_of, choose,
+                                 misfit, table_for)
 from kernels.moe_gemm import shape_class
 
 SOURCE = "moe_w4a16.cu"
-STEP = 256  # K per pipeline step (the kernel's STEP)
-AROW = 512 + 64  # bytes per token row of a stage's activations (the kernel's AROW)
-XREC = 32  # bytes of one token's group sums a step (the kernel's XREC)
 MAX_EXPERTS = 1024  # moe_align's one-CTA table
-
-# (NT, WARPS, R, STAGES, H, TA, SC, SPAN, KS): 8 * NT slots per block, WARPS warps of R strips of
-# 16 rows (a tile), a STAGES-deep cp.async ring of H K steps a stage holding the activations of TA
-# tokens (8 * NT, or fewer at decode sizes: M <= TA), SC 1 for weights scaled before the MMA (0:
-# the sums scaled after it, moe_w4a16.cu's top says when which), SPAN tiles one after the other per
-# CTA, KS of K per CTA (K / KS splits). The first seven name a kernel that moe_w4a16.cu
-# instantiates (KERNELS, below).
-CudaConfig = tuple[int, int, int, int, int, int, int, int, int]
-
-# By shape class, then the largest M of the bucket (M above the last bucket takes the last); None
-# would mean the Triton kernel is as fast or faster there. Picked from whole-MoE timings of
-# candidate configs on an H200 (NOTES.md v10; v11 re-picked three down passes, v12 the SC ones, v13
-# the full shapes' M = 2..16 under the reading L2 flush): 4-warp tiles with 256-byte row reads (H = 2)
-# and one 8-slot block an expert up to M = 64, full shapes at M <= 4 (and the TP-8 down pass at M =
-# 1) with stages holding only M tokens' activations (TA = 1, 2, 4: more CTAs' weights in flight), TP-8 shards
-# with K split over CTAs at M <= 2 and the down pass (K = 256, one step) walking 2-14 tiles a CTA so
-# the ring stays full; warps of 2 strips from M = 128, then 16- and 32-slot blocks (NT = 2, 4) at
-# M = 512 and 1024 with 2-4 strips a warp, so each activation fragment read from shared memory
-# serves 32-64 rows. Weights scaled before the MMA (SC = 1) where that timed faster: every 32-slot
-# pass, the TP-8 16-slot ones and the TP-8 down pass from M = 17 (15-19 % at M = 700..1500).
-CUDA_CONFIGS: dict[str, dict[int, dict[str, CudaConfig] | None]] = {
-    "full": {1: {"gate_up": (1, 4, 1, 2, 2, 1, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 1, 0, 2, 2048)},
-             2: {"gate_up": (1, 4, 1, 2, 2, 2, 0, 2, 7168), "down": (1, 4, 1, 2, 2, 2, 0, 2, 2048)},
-             4: {"gate_up": (1, 4, 1, 2, 2, 4, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 8, 0, 2, 2048)},
-             32: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 8, 0, 2, 2048)},
-             64: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 4, 1, 8, 0, 1, 2048)},
-             256: {"gate_up": (1, 4, 2, 3, 1, 8, 0, 1, 7168), "down": (1, 4, 2, 3, 1, 8, 0, 2, 2048)},
-             512: {"gate_up": (2, 4, 4, 2, 1, 16, 0, 1, 7168), "down": (2, 4, 4, 2, 1, 16, 0, 1, 2048)},
-             1024: {"gate_up": (4, 4, 4, 2, 1, 32, 1, 1, 7168), "down": (4, 4, 4, 2, 1, 32, 1, 2, 2048)}},
-    "shard": {1: {"gate_up": (1, 4, 1, 4, 1, 8, 0, 1, 1792), "down": (1, 4, 1, 4, 1, 1, 0, 2, 256)},
-              2: {"gate_up": (1, 4, 1, 4, 1, 8, 0, 1, 1792), "down": (1, 4, 1, 4, 1, 8, 0, 4, 256)},
-              4: {"gate_up": (1, 4, 1, 3, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 4, 1, 8, 0, 8, 256)},
-              8: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 1, 4, 1, 8, 0, 14, 256)},
-              16: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 3584), "down": (1, 4, 2, 3, 1, 8, 0, 8, 256)},
-              256: {"gate_up": (1, 4, 1, 2, 2, 8, 0, 1, 7168), "down": (1, 4, 2, 2, 1, 8, 1, 8, 256)},
-              512: {"gate_up": (2, 4, 2, 2, 1, 16, 1, 1, 7168), "down": (2, 4, 2, 2, 1, 16, 1, 8, 256)},
-              1024: {"gate_up": (4, 4, 4, 2, 1, 32, 1, 1, 7168), "down": (4, 4, 2, 2, 1, 32, 1, 8, 256)}},
-}
-# The kernels moe_w4a16.cu instantiates: exactly those the table picks (a test reads the source).
-KERNELS = {cfg[:7] for table in CUDA_CONFIGS.values() for bucket in table.values() if bucket for cfg in bucket.values()}
+# Lowers the shared memory a block may use below the driver's opt-in (bytes): runs a smaller
+# device's configs here, e.g. sm_120's 101,376 on an H200. It can only lower the limit.
+SMEM_LIMIT_ENV = "KDBENCH_CUDA_SMEM_LIMIT"
+# The build with the sweep's extra candidate kernels (moe_w4a16.cu's end): a config naming a kernel
+# outside the tables' KERNELS runs from it (engine/moe_sweep.py's candidates).
+SWEEP_DEFINE = "MOE_SWEEP"
 
 
-def cuda_config(m: int, inter: int) -> dict[str, CudaConfig] | None:
-    """The config of the smallest M bucket that holds m, for experts of intermediate `inter`; None
-    where the Triton kernel runs."""
-    table = CUDA_CONFIGS[shape_class(inter)]
-    return table[min((b for b in table if b >= m), default=max(table))]
+@cache
+def device_limits(index: int) -> DeviceLimits:
+    """The driver's limits of CUDA device `index`, the shared memory lowered by $KDBENCH_CUDA_SMEM_LIMIT."""
+    optin = cuda_build.device_attribute(index, cuda_build.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+    smem, lowered = optin, None
+    cap = os.environ.get(SMEM_LIMIT_ENV, "").strip()
+    if cap:
+        if not cap.isdigit():
+            raise ValueError(f"${SMEM_LIMIT_ENV} must be a number of bytes, got {cap[:40]!r}")
+        if int(cap) < optin:
+            smem, lowered = int(cap), optin
+    return DeviceLimits(cuda_build.arch_of(torch.device("cuda", index)), smem,
+                        cuda_build.device_attribute(index, cuda_build.MAX_REGISTERS_PER_BLOCK),
+                        cuda_build.device_attribute(index, cuda_build.MAX_REGISTERS_PER_MULTIPROCESSOR), lowered)
 
 
-def kernel_name(cfg: CudaConfig) -> str:
-    nt, warps, r, stages, h, ta, sc = cfg[:7]
-    return f"moe_w4a16_nt{nt}_w{warps}_r{r}_s{stages}_h{h}_a{ta}_sc{sc}"
+def kernel_resources(index: int, name: str) -> KernelResources:
+    """Registers, static shared memory and the thread limit of kernel `name` as loaded on device `index`."""
+    k = _module(torch.device("cuda", index), name not in KERNELS).kernel(name)
+    return KernelResources(k.attribute(cuda_build.FUNC_NUM_REGS), k.attribute(cuda_build.FUNC_SHARED_SIZE_BYTES),
+                           k.attribute(cuda_build.FUNC_MAX_THREADS_PER_BLOCK))
 
 
-def smem_bytes(cfg: CudaConfig, k: int) -> int:
-    """Dynamic shared memory of a config on K = k: (weights + scales + activations + group sums) of
-    one K step, times the ring stages a CTA's steps can fill (one tile of one step needs one: more
-    CTAs fit an SM)."""
-    nt, warps, r, stages, h, ta, sc, span, ks = cfg
-    strips = warps * r
-    sub = strips * 16 * 8 * 16 + strips * 16 * 16 + ta * (AROW + XREC)
-    return min(stages, span * (min(ks, k) // (STEP * h))) * h * sub
+@cache
+def bucket_choice(index: int, inter: int, hidden: int, bucket: int) -> Choice:
+    """What M bucket `bucket` runs on device `index` for experts [2 inter, hidden] / [hidden, inter]."""
+    key, _ = table_for(device_limits(index).arch)
+    return choose(key, shape_class(inter), bucket, 2 * inter, hidden, hidden, inter, device_limits(index),
+                  lambda name: kernel_resources(index, name))
 
 
-def fits(cfg: CudaConfig, n: int, k: int) -> bool:
-    """Whether a config runs on an [n, k] weight: whole spans of row tiles, whole stages and splits of K."""
-    nt, warps, r, stages, h, ta, sc, span, ks = cfg
-    ks = min(ks, k)
-    return (tuple(cfg[:7]) in KERNELS and n % (warps * r * 16 * span) == 0 and ks % (STEP * h) == 0
-            and k % ks == 0)
+def choice(m: int, inter: int, hidden: int, index: int) -> Choice:
+    """What M = m runs on device `index` (its bucket's choice)."""
+    _, table = table_for(device_limits(index).arch)
+    return bucket_choice(index, inter, hidden, bucket_of(table[shape_class(inter)], m))
+
+
+def bucket_records(device: torch.device, inter: int, hidden: int) -> list[dict[str, object]]:
+    """build.json's per-bucket records of one expert shape on `device`: impl, kernels, why."""
+    index = _cuda(device).index
+    _, table = table_for(device_limits(index).arch)
+    return [bucket_choice(index, inter, hidden, b).record(hidden, inter) for b in sorted(table[shape_class(inter)])]
 
 
 @cache
@@ -119,15 +104,46 @@ def unavailable_reason(device: torch.device) -> str | None:
     return _unavailable(_cuda(device).index)
 
 
-def supports(x: Tensor, w13_q: Tensor, w2_q: Tensor, configs: dict[str, CudaConfig] | None = None) -> bool:
-    """bf16 activations on CUDA, at most MAX_EXPERTS experts, an M bucket the CUDA kernel serves (or
-    `configs`), shapes the configs tile, and no more tokens an expert (at most M) than a stage holds."""
+# The key of one call shape: (on CUDA, device index, dtype, M, H, E, 2 I, w2's [H, I / 8])
+Key = tuple[bool, int, torch.dtype, int, int, int, int, tuple[int, ...]]
+
+
+def _key(x: Tensor, w13_q: Tensor, w2_q: Tensor) -> Key:
     m, h = x.shape
     e, two_i, _ = w13_q.shape
-    cfg = configs or cuda_config(m, two_i // 2)
-    return (cfg is not None and x.is_cuda and x.dtype == torch.bfloat16 and e <= MAX_EXPERTS
-            and fits(cfg["gate_up"], two_i, h) and fits(cfg["down"], h, two_i // 2)
-            and all(c[5] >= min(8 * c[0], m) for c in cfg.values()))
+    return x.is_cuda, x.get_device(), x.dtype, m, h, e, two_i, tuple(w2_q.shape[1:])
+
+
+@cache
+def _why_not(key: Key, configs: Bucket | None) -> str | None:
+    """Why these inputs cannot run here (None when they can): not bf16 on a CUDA device with a built
+    kernel, too many experts, mismatched weights, or configs (`configs`, else the M bucket's choice on
+    this device) that do not tile the shapes, hold every token an expert can get, or fit the device."""
+    on_cuda, index, dtype, m, h, e, two_i, w2 = key
+    inter = two_i // 2
+    if not on_cuda or dtype != torch.bfloat16:
+        return f"the CUDA kernel takes bf16 activations on a CUDA device, not {dtype} on {'cuda' if on_cuda else 'cpu'}"
+    why = _unavailable(index)
+    if why is not None:
+        return why
+    if e > MAX_EXPERTS or w2 != (h, inter // 8):
+        return f"E = {e} (at most {MAX_EXPERTS}), w2 [{', '.join(map(str, w2))}] (want [{h}, {inter // 8}])"
+    if configs is None:
+        c = choice(m, inter, h, index)
+        return None if c.cuda else f"M = {m} runs the Triton kernel here: {c.why()}"
+    limits = device_limits(index)
+    for name, c, n, k in (("gate_up", configs.gate_up, two_i, h), ("down", configs.down, h, inter)):
+        why = (None if c.tiles(n, k) else f"does not tile [{n}, {k}]") or \
+              (None if c.holds(m) else f"holds {c.tokens} token(s) a stage, fewer than M = {m} can route to an expert") or \
+              misfit(c, k, limits, kernel_resources(index, c.kernel))
+        if why is not None:
+            return f"{name} {c.kernel}: {why}"
+    return None
+
+
+def supports(x: Tensor, w13_q: Tensor, w2_q: Tensor, configs: Bucket | None = None) -> bool:
+    """Whether moe_w4a16 runs these inputs here (`configs`, else the M bucket's choice): _why_not's rules."""
+    return _why_not(_key(x, w13_q, w2_q), configs) is None
 
 
 def _cuda(device: torch.device) -> torch.device:
@@ -135,89 +151,123 @@ def _cuda(device: torch.device) -> torch.device:
     return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _module(device: torch.device) -> cuda_build.Module:
-    return cuda_build.module(SOURCE, _cuda(device))
+def _module(device: torch.device, sweep: bool = False) -> cuda_build.Module:
+    """The shipped build of moe_w4a16.cu on `device`, or (`sweep`) the one with the sweep's candidates too."""
+    return cuda_build.module(SOURCE, _cuda(device), (SWEEP_DEFINE,) if sweep else ())
 
 
-@cache
-def _pdl(index: int) -> bool:
-    """Programmatic dependent launch: sm_90 and later."""
-    return torch.cuda.get_device_capability(index)[0] >= 9
+# Base pointers of a call, in the order _Call's argument slots name them (0: no base, a plain value)
+_BASES = ("", "workspace", "x", "w13_q", "w13_s", "w2_q", "w2_s", "ids", "tw", "out")
+_ALIGN = 256  # bytes: each workspace buffer starts on its own 256-byte boundary
 
 
-def _launch(dev: torch.device, name: str, grid: tuple[int, ...], block: int, smem: int, args: list[object]) -> None:
-    _module(dev).kernel(name)(grid, block, smem, args, pdl=_pdl(_cuda(dev).index))
+class _Call:
+    """One call shape set up once: the workspace's layout, every launch with its arguments. A call
+    then allocates the workspace and the output, fills nine base pointers into the argument slots
+    (one numpy add) and makes the launches: moe_align (the block table; its CTAs past the first
+    prepare x), a second moe_align when the passes' block sizes differ, gate_up, moe_silu_prep (SiLU
+    x up, prepared for down), down, moe_sum."""
+
+    def __init__(self, index: int, m: int, h: int, e: int, inter: int, topk: int, cfg: Bucket) -> None:
+        dev = torch.device("cuda", index)
+        mod = _module(dev, not {cfg.gate_up.kernel, cfg.down.kernel} <= KERNELS)
+        pdl = torch.cuda.get_device_capability(index)[0] >= 9
+        s = m * topk
+        self.index, self.ws_bytes = index, 0
+
+        def buf(nbytes: int) -> tuple[int, int]:  # (base, offset) of a new workspace buffer
+            at = self.ws_bytes
+            self.ws_bytes += -(-nbytes // _ALIGN) * _ALIGN
+            return 1, at
+
+        def table(bm: int) -> tuple[int, list[tuple[int, int]]]:
+            ub = triton.cdiv(s, bm) + min(e, s)
+            return ub, [buf(4 * s), buf(4 * e), buf(4 * e), buf(4 * ub), buf(4 * ub)]
+
+        def val(v: int) -> tuple[int, int]:
+            return 0, int(v)
+
+        base = {name: (i, 0) for i, name in enumerate(_BASES)}
+        gu_cfg, dn_cfg = cfg.gate_up, cfg.down
+        ub_gu, tab_gu = table(gu_cfg.slots)
+        ub_dn, tab_dn = (ub_gu, tab_gu) if dn_cfg.slots == gu_cfg.slots else table(dn_cfg.slots)
+        xp, xs = buf(2 * m * h), buf(2 * m * h // 16)
+        gu_splits, dn_splits = gu_cfg.splits(h), dn_cfg.splits(inter)
+        gu, hp, hs = buf(4 * gu_splits * s * 2 * inter), buf(2 * s * inter), buf(2 * s * inter // 16)
+        dn = buf(2 * dn_splits * s * h)
+        null = val(0)
+
+        def gemm(c: PassConfig, a: list, wq: str, ws: str, part: tuple[int, int], tab: list, ub: int,
+                 n: int, k: int, rows_per_slot: int, down: bool) -> tuple:
+            grid = (ub, n // (c.rows * c.span), c.splits(k))
+            args = [*a, base[wq], base[ws], part, base["tw"], *tab, val(s), val(n), val(k), val(min(c.k_chunk, k)),
+                    val(c.span), val(rows_per_slot), val(e), val(down), val(down)]  # weighted, early: the down pass
+            return c.kernel, grid, c.threads, c.smem_bytes(k), args
+
+        specs = [("moe_align", (1 + triton.cdiv(m * h // 8, 1024),), 1024, 0,
+                  [base["ids"], val(s), val(e), val(gu_cfg.slots), val(ub_gu), *tab_gu, base["x"], val(m), val(h),
+                   xp, xs])]
+        if tab_dn is not tab_gu:
+            specs.append(("moe_align", (1,), 1024, 0, [base["ids"], val(s), val(e), val(dn_cfg.slots), val(ub_dn),
+                                                       *tab_dn, null, val(0), val(0), null, null]))
+        specs += [gemm(gu_cfg, [xp, xs], "w13_q", "w13_s", gu, tab_gu, ub_gu, 2 * inter, h, topk, False),
+                  ("moe_silu_prep", (triton.cdiv(s * inter // 8, 256),), 256, 0,
+                   [gu, val(gu_splits), val(s), val(inter), hp, hs]),
+                  gemm(dn_cfg, [hp, hs], "w2_q", "w2_s", dn, tab_dn, ub_dn, h, inter, 1, True),
+                  ("moe_sum", (triton.cdiv(m * h // 4, 256),), 256, 0,
+                   [dn, val(dn_splits), val(s), val(m), val(h), val(topk), base["out"]])]
+        slots = [a for *_, args in specs for a in args]
+        self._which = np.array([b for b, _ in slots], dtype=np.intp)
+        self._offset = np.array([o for _, o in slots], dtype=np.int64)
+        self._args = np.zeros(len(slots), dtype=np.int64)
+        self.launches, at = [], 0
+        for name, grid, block, smem, args in specs:
+            view = self._args[at:at + len(args)]
+            self.launches.append(cuda_build.Launch(mod.kernel(name), grid, block, smem, view, pdl))
+            at += len(args)
+
+    def __call__(self, pointers: tuple[int, ...]) -> None:
+        """Fill in the call's base pointers (in _BASES order) and launch on torch's current stream."""
+        np.add(np.asarray(pointers, dtype=np.int64)[self._which], self._offset, out=self._args)
+        stream = cuda_build.current_stream(self.index)
+        for launch in self.launches:
+            launch(stream)
 
 
-Table = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]
-Prepared = tuple[Tensor, Tensor]  # activations in the dequant's pair order, their group sums
+_calls = threading.local()  # per thread: a _Call's argument buffer is written by each call
 
 
-def align(ids: Tensor, experts: int, bm: int, x: Tensor | None = None) -> tuple[Table, Prepared | None]:
-    """moe_gemm.align()'s table (same tensors, same meaning) from one moe_align launch, which also
-    prepares activations `x` for the GEMM when given (emit_word's comment says how)."""
-    s = ids.numel()
-    ub = triton.cdiv(s, bm) + min(experts, s)
-    dev = ids.device
-    slots = torch.empty(s, dtype=torch.int32, device=dev)
-    seg = torch.empty(experts, dtype=torch.int32, device=dev)
-    cnt = torch.empty(experts, dtype=torch.int32, device=dev)
-    bexp = torch.empty(ub, dtype=torch.int32, device=dev)
-    bms = torch.empty(ub, dtype=torch.int32, device=dev)
-    prep, args, grid = None, [None, 0, 0, None, None], 1
-    if x is not None:
-        rows, k = x.shape
-        prep = (torch.empty_like(x), torch.empty(rows, k // 16, dtype=x.dtype, device=dev))
-        args, grid = [x, rows, k, *prep], 1 + triton.cdiv(rows * k // 8, 1024)
-    _launch(dev, "moe_align", (grid,), 1024, 0, [ids, s, experts, bm, ub, slots, seg, cnt, bexp, bms, *args])
-    return (slots, seg, cnt, bexp, bms, ub), prep
-
-
-def silu_prep(gu: Tensor, inter: int) -> Prepared:
-    """h = silu(gate) * up from the gate_up partials, prepared for the down GEMM in one launch."""
-    splits, s, _ = gu.shape
-    hp = torch.empty(s, inter, dtype=torch.bfloat16, device=gu.device)
-    hs = torch.empty(s, inter // 16, dtype=torch.bfloat16, device=gu.device)
-    grid = (triton.cdiv(s * inter // 8, 256),)
-    _launch(gu.device, "moe_silu_prep", grid, 256, 0, [gu, splits, s, inter, hp, hs])
-    return hp, hs
-
-
-def _pass(a: Prepared, wq: Tensor, ws: Tensor, tw: Tensor, n: int, k: int, a_rows_per_slot: int,
-          weighted: bool, cfg: CudaConfig, table: Table, s: int, early: bool) -> Tensor:
-    """Partials [K / KS, slots, n] of one projection, bf16 when `weighted` (the down pass: moe_sum
-    reads them back) and fp32 otherwise; `early`: the table was finished before the launch before
-    this one (the down pass), so the first weight stages load before the wait."""
-    nt, warps, r, stages, h, ta, sc, span, ks = cfg
-    ks = min(ks, k)
-    slots, seg, cnt, bexp, bms, ub = table
-    part = torch.empty(k // ks, s, n, dtype=torch.bfloat16 if weighted else torch.float32, device=wq.device)
-    _launch(wq.device, kernel_name(cfg), (ub, n // (warps * r * 16 * span), k // ks), warps * 32,
-            smem_bytes(cfg, k), [*a, wq, ws, part, tw, slots, seg, cnt, bexp, bms, s, n, k, ks, span,
-                                 a_rows_per_slot, wq.shape[0], weighted, early])
-    return part
+def _call(key: Key, topk: int, configs: Bucket | None) -> _Call:
+    table = getattr(_calls, "table", None)
+    if table is None:
+        table = _calls.table = {}
+    call = table.get((key, topk, configs))
+    if call is None:
+        why = _why_not(key, configs)
+        if why is not None:
+            raise ValueError(f"moe_cuda: cannot run these inputs here: {why}")
+        _, index, _, m, h, e, two_i, _ = key
+        cfg = configs or choice(m, two_i // 2, h, index).configs
+        call = table[key, topk, configs] = _Call(index, m, h, e, two_i // 2, topk, cfg)
+    return call
 
 
 def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor,
-              topk_ids: Tensor, topk_weights: Tensor, configs: dict[str, CudaConfig] | None = None) -> Tensor:
-    """Routed-expert MoE: [M, H] bf16 -> [M, H]; `configs` overrides the M bucket's (the GPU sweep uses it).
-    Five launches: table + activations, gate_up, SiLU + prepare, down, sum (one more table when
-    the passes' block sizes differ)."""
-    m, h = x.shape
-    e, two_i, _ = w13_q.shape
-    inter = two_i // 2
-    topk = topk_ids.shape[1]
-    s = m * topk
-    cfg = configs or cuda_config(m, inter)
-    if not supports(x, w13_q, w2_q, cfg):
-        raise ValueError(f"moe_cuda: unsupported input (dtype {x.dtype}, H {h}, I {inter}, E {e}, config {cfg})")
-    ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
-    tw = topk_weights.reshape(-1).float().contiguous()
-    bm_gu, bm_dn = 8 * cfg["gate_up"][0], 8 * cfg["down"][0]
-    table_gu, xprep = align(ids, e, bm_gu, x.contiguous())
-    table_dn = table_gu if bm_dn == bm_gu else align(ids, e, bm_dn)[0]
-    gu = _pass(xprep, w13_q, w13_s, tw, two_i, h, topk, False, cfg["gate_up"], table_gu, s, False)
-    dn = _pass(silu_prep(gu, inter), w2_q, w2_s, tw, h, inter, 1, True, cfg["down"], table_dn, s, True)
-    out = torch.empty(m, h, dtype=x.dtype, device=x.device)
-    _launch(x.device, "moe_sum", (triton.cdiv(m * h // 4, 256),), 256, 0, [dn, dn.shape[0], s, m, h, topk, out])
+              topk_ids: Tensor, topk_weights: Tensor, configs: Bucket | None = None) -> Tensor:
+    """Routed-expert MoE: [M, H] bf16 -> [M, H]; `configs` overrides the M bucket's (the GPU sweep uses it)."""
+    call = _call(_key(x, w13_q, w2_q), topk_ids.shape[1], configs)
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_cuda: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [M = {x.shape[0]}, top-k]")
+    if not (w13_q.is_contiguous() and w13_s.is_contiguous() and w2_q.is_contiguous() and w2_s.is_contiguous()):
+        raise ValueError("moe_cuda: the expert weights and scales must be contiguous")
+    x = x.contiguous()
+    ids = topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous() else \
+        topk_ids.to(torch.int64).contiguous()
+    tw = topk_weights if topk_weights.dtype == torch.float32 and topk_weights.is_contiguous() else \
+        topk_weights.float().contiguous()
+    ws = torch.empty(call.ws_bytes, dtype=torch.uint8, device=x.device)
+    out = torch.empty_like(x)
+    call((0, ws.data_ptr(), x.data_ptr(), w13_q.data_ptr(), w13_s.data_ptr(), w2_q.data_ptr(), w2_s.data_ptr(),
+          ids.data_ptr(), tw.data_ptr(), out.data_ptr()))
     return out

@@ -3,9 +3,8 @@
 // Same contract as kernels/moe_gemm.py's split-K pass: one CTA computes, for one block of <= TN
 // token-expert slots routed to expert e (align()'s table), span tiles of BN = WARPS * R * 16 output
 // rows over one KS chunk of K, and writes partials part[split, slot, n]: fp32 for gate_up, bf16 for
-// the weighted down pass (its per-slot outputs; half the bytes that moe_sum reads back: 235 MB
-// less traffic at TP-8 M = 1024, kernels/NOTES.md v13). Each warp owns R strips of 16 rows of a
-// tile. A stage holds the activations of TA <= TN tokens: at decode sizes
+// the weighted down pass (its per-slot outputs: half the bytes fp32 would be, which moe_sum reads
+// back; kernels/NOTES.md v13). Each warp owns R strips of 16 rows of a tile. A stage holds the activations of TA <= TN tokens: at decode sizes
 // (M <= TA, so no expert has more than TA tokens; the caller checks) the rest of the block's 8
 // MMA columns read token 0's and are never stored, and the shared memory saved deepens the ring.
 //
@@ -21,9 +20,9 @@
 // That costs an fp32 FMA per output and group, and registers for the per-group sums and the
 // offset term. SC kernels scale the weights before the MMA instead: q s rounded once to bf16 (an
 // exact subtraction of 136, then one multiply a pair; the Triton kernel's numerics), and the MMAs
-// sum straight into the accumulators. More dequant work, no FMAs, no offset term and its group
-// sums: at 32 slots and 2 strips a warp 148 registers instead of 255, 15-19 % faster whole MoE at
-// M = 700..1500; norm error 4.0e-3 against 2.6e-3 (kernels/NOTES.md v12).
+// sum straight into the accumulators. More dequant work, but no FMAs, no offset term and no group
+// sums, so far fewer registers where many slots share a warp; a larger norm error, well inside
+// 1e-2 (kernels/NOTES.md v12 has the registers, times and errors).
 // The activations come permuted within each word, (0, 4, 1, 5, 2, 6, 3, 7), to match the pairs.
 // Weights, scales, activations and group sums stream through a STAGES-deep cp.async ring of H K
 // steps a stage, running on from one tile to the next.
@@ -172,11 +171,11 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
   const uint32_t sm0 = smem_addr(smem);
   auto strip_smem = [&](int r) { return sm0 + (warp * R + r) * (16 * 8 * 16); };  // strip r's weight tile
   // Weights: lane i copies group chunk i % 8 of rows 4 q + i / 8 (q = 0..3), so each copy
-  // instruction reads four whole 128-byte lines (half lines, two instructions a line, fetched 6-16 %
-  // slower). Quad q's chunk lands 512 q bytes into the strip's tile, at an offset within that which
-  // depends only on q's parity (the swizzle). The NT = 1 kernels (at most 165 registers) keep a
-  // source pointer a row quad; the NT >= 2 ones need all 255, so they keep one a strip and step it
-  // 4 q rows at each copy (spills 44-152 -> 0-80 bytes, up to 4 % faster; kernels/NOTES.md v11).
+  // instruction reads four whole 128-byte lines (half lines, two instructions a line, fetched
+  // slower: kernels/NOTES.md v11). Quad q's chunk lands 512 q bytes into the strip's tile, at an
+  // offset within that which depends only on q's parity (the swizzle). The NT = 1 kernels keep a
+  // source pointer a row quad; the NT >= 2 ones keep one a strip and step it 4 q rows at each copy
+  // (fewer registers held: fewer spills where a kernel needs all 255, kernels/NOTES.md v11).
   constexpr int WQ = NT == 1 ? 4 : 1;
   const uint32_t* wsrc[R][WQ];
   const int lr = lane >> 3, lch = lane & 7;
@@ -463,9 +462,9 @@ extern "C" __global__ void __launch_bounds__(256)
 // unused blocks) and first row. CTA 0 (1024 threads, E <= 1024) makes it: counts by shared atomics
 // (order-free), then placement 1024 slots at a time, a thread each: a slot goes after its expert's
 // slots of earlier tiles (the cursor), of lower warps of its tile (per-warp counts) and of lower
-// lanes of its warp (match_any), so the order is the slots' own and the result deterministic. (One
-// warp placing 32 slots at a time took 32 us at 4,096 slots, on the critical path: kernels/NOTES.md
-// v14.) CTAs 1.. meanwhile prepare `rows` rows of activations x for the GEMM (emit_word), a thread
+// lanes of its warp (match_any), so the order is the slots' own and the result deterministic (every
+// GEMM CTA waits for this table: one warp placing 32 slots at a time was slow, kernels/NOTES.md
+// v14). CTAs 1.. meanwhile prepare `rows` rows of activations x for the GEMM (emit_word), a thread
 // per word: one launch for both.
 extern "C" __global__ void __launch_bounds__(1024)
     moe_align(const long long* __restrict__ ids, int S, int E, int BM, int ub, int* __restrict__ slots,
@@ -566,7 +565,7 @@ extern "C" __global__ void __launch_bounds__(1024)
                                           span, a_rows_per_slot, E, weighted, early);                      \
   }
 
-// The configs kernels/moe_cuda.py may pick (KERNELS there lists the same names).
+// The kernels kernels/moe_configs.py's tables may pick (KERNELS there lists the same names).
 MOE_KERNEL(1, 4, 1, 2, 2, 1, 0)
 MOE_KERNEL(1, 4, 1, 2, 2, 2, 0)
 MOE_KERNEL(1, 4, 1, 2, 2, 4, 0)
@@ -580,3 +579,14 @@ MOE_KERNEL(2, 4, 2, 2, 1, 16, 1)
 MOE_KERNEL(2, 4, 4, 2, 1, 16, 0)
 MOE_KERNEL(4, 4, 2, 2, 1, 32, 1)
 MOE_KERNEL(4, 4, 4, 2, 1, 32, 1)
+
+// Candidates only the config sweep (engine/moe_sweep.py) builds, with MOE_SWEEP defined: a config
+// of the tables names a kernel above this line.
+#ifdef MOE_SWEEP
+MOE_KERNEL(4, 8, 2, 2, 1, 32, 1)
+MOE_KERNEL(4, 8, 1, 2, 1, 32, 1)
+MOE_KERNEL(4, 4, 2, 3, 1, 32, 1)
+MOE_KERNEL(8, 4, 2, 2, 1, 64, 1)
+MOE_KERNEL(8, 8, 1, 2, 1, 64, 1)
+MOE_KERNEL(2, 8, 2, 2, 1, 16, 1)
+#endif

@@ -26,7 +26,7 @@ __all__ = ["Tree", "Impl", "moe_impl", "moe_w4a16", "mla_tree_attention", "build
 @cache
 def triton_module(name: str) -> ModuleType | None:
     """kernels.<name> if it imports here (Triton present and the module written), else None; the
-    CUDA C++ MoE's module too (it needs Triton for its combining kernels)."""
+    CUDA C++ MoE's module too (it shares moe_gemm's shape classes, so it needs Triton to import)."""
     try:
         return importlib.import_module(f"kernels.{name}")
     except ImportError:
@@ -53,7 +53,7 @@ def moe_impl(x: Tensor, w13_q: Tensor, w2_q: Tensor, impl: Impl = "auto") -> str
         return impl
     if impl == "auto" and x.is_cuda:
         cuda = triton_module("moe_cuda")
-        if cuda is not None and cuda.unavailable_reason(x.device) is None and cuda.supports(x, w13_q, w2_q):
+        if cuda is not None and cuda.supports(x, w13_q, w2_q):
             return "cuda"
     return "triton" if _pick(impl, "moe_gemm", x) else "torch"
 

@@ -93,10 +93,11 @@ def test_kernel_points_cover_every_op_with_costs(smoke_dir):
 def test_e2e_rows_split_each_step(smoke_dir):
     out, _ = smoke_dir
     rows = schema.read_table(out / "e2e.arrow").to_pylist()
-    key = ("tp", "layers", "synthetic_accept", "concurrency", "budget")
+    key = ("tp", "layers", "synthetic_accept", "concurrency", "budget", "context")
     assert len({tuple(r[k] for k in key) for r in rows}) == len(rows) >= 2
     assert {r["tp"] for r in rows} == {1, 2}
     for r in rows:
+        assert r["status"] == "ok" and r["memory_bytes"] > 0
         assert r["tokens_per_s"] > 0 and r["steps"] > 0 and 0 <= r["accept_len_mean"]
         assert 0 < r["synthetic_accept"] <= 1
         assert r["vocab"] == 512 and r["layers"] == 3 and r["weight_sets"] == 2
@@ -110,6 +111,22 @@ def test_e2e_rows_split_each_step(smoke_dir):
             assert r["comm_ms"] == pytest.approx(want) and want > 0
         assert r["step_ms_p50"] <= r["step_ms_p99"] and r["itl_ms_p50"] <= r["itl_ms_p99"]
         assert r["ttft_ms"] > 0
+
+
+def test_e2e_context_axis_rows_carry_their_prompt_length(smoke_dir):
+    """The CPU smoke profile's context axis: prompts of exactly 64 and 256 tokens at TP-2, C = 1,
+    level 0.8, budget 16, beside the short sweep (prompts of 8-32 tokens)."""
+    out, _ = smoke_dir
+    rows = schema.read_table(out / "e2e.arrow").to_pylist()
+    long = sorted((r for r in rows if r["context"] > 32), key=lambda r: r["context"])
+    assert [(r["context"], r["tp"], r["concurrency"], r["budget"], r["synthetic_accept"]) for r in long] == \
+        [(64, 2, 1, 16, 0.8), (256, 2, 1, 16, 0.8)]
+    assert all(r["ttft_ms"] > 0 and r["tokens_per_s"] > 0 for r in long)
+    assert long[0]["memory_bytes"] < long[1]["memory_bytes"]
+    assert all(8 <= r["context"] <= 32 for r in rows if r not in long)
+    note = schema.read_table(out / "runs.arrow").to_pylist()
+    assert "context axis: prompts of exactly 64 (C=1), 256 (C=1) tokens at tp=2" in \
+        next(r["note"] for r in note if r["suite"] == "e2e")
 
 
 def test_comm_skipped_on_cpu_with_reason(smoke_dir):
@@ -200,7 +217,7 @@ def test_build_compares_the_moe_at_each_kind_of_config_of_both_shape_classes():
     p = PROFILES[("cuda", "full")]
     shapes = build.moe_shapes(p, {1, 16, 17, 272})
     compared = {(tp, m) for tp, m, c in shapes if c}
-    assert compared == {(tp, m) for tp in (1, 8) for m in (1, 16, 128, 512, 1024)}
+    assert compared == {(tp, m) for tp in (1, 8) for m in (1, 16, 128, 512, 4096)}
     assert [(tp, m) for tp, m, _ in shapes] == ([(1, m) for m in sorted({*p.moe_m, 17, 272})]
                                                 + [(8, m) for m in sorted(p.moe_tp_m)])
     assert all(tp == 1 for tp, _, _ in build.moe_shapes(PROFILES[("cpu", "full")], set())), "no shard on the CPU"

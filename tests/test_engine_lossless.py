@@ -10,7 +10,7 @@ import torch
 
 from engine.bench_e2e import chain_share, prompts_for
 from engine.config import K2, make_config
-from engine.decode import Decoder
+from engine.decode import Decoder, cache_rows
 from engine.drafter import BlockDrafter
 from engine.model import LatentCache, TargetModel, hot_vocab
 from kernels import ops, reference
@@ -60,6 +60,61 @@ def test_ddtree_is_lossless(setup, budget, level):
     # every step emits accepted drafts + one bonus token, within the drafter's block length
     for per_seq in res.accept_len:
         assert all(0 <= a <= min(budget, dec.model.cfg.draft_len) for a in per_seq)
+
+
+def test_chunked_prefill_decodes_like_one_forward_over_the_prompt(setup, monkeypatch):
+    """Chunks of 7 positions a sequence, each attending to the cache before it and causally within
+    itself: the same cache rows, first tokens and greedy / DDTree output as one forward over the
+    whole prompt, with no forward wider than a chunk (no T x T mask, bounded MoE M)."""
+    dec, prompts, ref = setup
+    masks = []
+    attend = ops.mla_tree_attention
+
+    def spy(q_nope, q_rope, ckv, kpe, ctx_lens, tree_mask, *a, **k):
+        masks.append(tuple(tree_mask.shape))
+        return attend(q_nope, q_rope, ckv, kpe, ctx_lens, tree_mask, *a, **k)
+
+    monkeypatch.setattr(ops, "mla_tree_attention", spy)
+    chunked = Decoder(dec.model, dec.drafter, prefill_tokens=4 * 7)
+    one, parts = dec.prefill(prompts, 40), chunked.prefill(prompts, 40)
+    layers = dec.model.cfg.layers
+    assert masks[:layers] == [(4, 30, 30)] * layers
+    assert masks[layers:] == [(4, 7, 7)] * 4 * layers + [(4, 2, 2)] * layers  # 30 = 4 x 7 + 2
+    for b, n in enumerate(map(len, prompts)):
+        torch.testing.assert_close(parts.cache.ckv[:, b, :n], one.cache.ckv[:, b, :n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(parts.cache.kpe[:, b, :n], one.cache.kpe[:, b, :n], rtol=1e-4, atol=1e-5)
+    assert parts.bonus.tolist() == one.bonus.tolist() == [t[0] for t in ref.tokens]
+    torch.testing.assert_close(parts.feat, one.feat, rtol=1e-4, atol=1e-5)
+    assert parts.cache.lens.tolist() == one.cache.lens.tolist() == [len(p) for p in prompts]
+    assert chunked.greedy(prompts, MAX_NEW).tokens == ref.tokens
+    assert chunked.speculative(prompts, MAX_NEW, 16, 0.9).tokens == ref.tokens
+
+
+def test_a_warm_prefill_first_runs_each_chunk_length_once(setup, monkeypatch):
+    """Kernels build a variant per chunk length (Triton per divisibility), so the untimed warm-up
+    runs the full and the last, shorter chunk before the timed pass; the result is unchanged."""
+    dec, prompts, ref = setup
+    chunked = Decoder(dec.model, dec.drafter, prefill_tokens=4 * 7)
+    seen = []
+    forward = chunked.model.forward
+    monkeypatch.setattr(chunked.model, "forward", lambda tok, *a, **k: seen.append(tok.shape[1]) or forward(tok, *a, **k))
+    pre = chunked.prefill(prompts, 40, warm=True)
+    assert seen == [2, 7] + [7, 7, 7, 7, 2]
+    assert pre.bonus.tolist() == [t[0] for t in ref.tokens] and pre.ttft_s[0] > 0
+
+
+def test_one_prefill_serves_several_decodes(setup):
+    """A decode from a prefill rewinds it first: twice from one prefill repeats the decode of a
+    fresh prefill step for step; a prefill too small for the decode is refused."""
+    dec, prompts, ref = setup
+    pre = dec.prefill(prompts, cache_rows(prompts, MAX_NEW, 16, dec.model.cfg.draft_len))
+    runs = [dec.speculative(prompts, MAX_NEW, 16, 0.8, start=pre) for _ in range(2)]
+    fresh = dec.speculative(prompts, MAX_NEW, 16, 0.8)
+    assert runs[0].tokens == runs[1].tokens == fresh.tokens == ref.tokens
+    assert runs[0].accept_len == runs[1].accept_len == fresh.accept_len
+    assert runs[0].ttft_s == runs[1].ttft_s == pre.ttft_s
+    with pytest.raises(ValueError, match="needs"):
+        dec.speculative(prompts, MAX_NEW, 64, 0.8, start=pre)
 
 
 def test_acceptance_follows_steering_level(setup):

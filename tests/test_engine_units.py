@@ -9,7 +9,7 @@ import torch
 from engine.costs import expected_experts
 from engine.config import K2, make_config
 from engine.env import UsageError, check_arch, pick_device
-from engine.timing import flush_l2, percentile, time_op
+from engine.timing import flush_l2, host_us, percentile, time_op
 
 
 def test_k2_config_has_kimi_k2_per_layer_dims():
@@ -39,6 +39,18 @@ def test_time_op_on_cpu_counts_repeats():
     t = time_op(lambda: calls.append(1), torch.device("cpu"), repeats=7, warmup=2)
     assert len(calls) == 9 and t.repeats == 7 and not t.graph
     assert 0 <= t.p10_us <= t.p50_us <= t.p90_us
+
+
+def test_host_us_times_calls_back_to_back_per_call(monkeypatch: pytest.MonkeyPatch):
+    """The median round's time over its calls: rounds of back-to-back calls after the warm-up."""
+    import engine.timing as timing
+
+    clock = iter(range(0, 10_000, 1))  # perf_counter advances 1 s a reading
+    calls = []
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(clock)))
+    us = host_us(lambda: calls.append(1), torch.device("cpu"), calls=4, rounds=3, warmup=2)
+    assert len(calls) == 2 + 4 * 3
+    assert us == pytest.approx(1e6 / 4), "one second a round of four calls"
 
 
 def test_the_l2_flush_only_reads_its_buffer():

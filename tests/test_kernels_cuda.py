@@ -1,20 +1,24 @@
-"""The CUDA C++ MoE's host side: finding nvcc, building and caching the cubin, the config table.
+"""The CUDA C++ MoE's host side: finding nvcc, building and caching the cubin, the configs, the launches.
 
-The kernel itself runs only on a GPU (kernels/gpu_check.py and engine.build check it there against
-the reference); here: what a host without nvcc, or with a broken one, is told, and that the table
-only names kernels the source instantiates, at shapes they tile.
+The kernel itself runs only on a GPU (engine.build checks it there against the reference at every
+bench M, engine/moe_sweep.py every candidate config); here: what a host without nvcc, or with a
+broken one, is told; that the tables only name kernels the source instantiates, at shapes they tile;
+how the limit check and the fallback choose on sm_90, sm_120 and an unknown arch (the driver's
+answers faked); and how a call shape's launches are laid out.
 """
 
 from __future__ import annotations
 
+import ctypes
 import re
 import stat
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from kernels import cuda_build, moe_cuda, ops
+from kernels import cuda_build, moe_configs, moe_cuda, ops
 
 SOURCE = cuda_build.HERE / moe_cuda.SOURCE
 SHAPES = {"full": (2048, 7168), "shard": (256, 7168)}  # K2 and one TP-8 rank: (intermediate, hidden)
@@ -68,32 +72,185 @@ def test_cubin_is_cached_by_content(no_nvcc: None, monkeypatch: pytest.MonkeyPat
     other = cuda_build.compile_cubin(SOURCE, "sm_120")
     assert first == again != other and first.read_text() == "cubin\n"
     assert log.read_text().count("run") == 2, "the second sm_90 build came from the cache"
+    assert cuda_build.compile_cubin(SOURCE, "sm_90", ("MOE_SWEEP",)) not in (first, other), "macros, another cubin"
     src = tmp_path / "moe_w4a16.cu"
     src.write_text(SOURCE.read_text() + "\n// changed\n")
     assert cuda_build.compile_cubin(src, "sm_90") != first, "changed source, new cubin"
 
 
+def _cu_kernels(sweep: bool = False) -> set[str]:
+    """The kernel names moe_w4a16.cu instantiates (its MOE_KERNEL lines): the shipped ones, or (`sweep`)
+    those only a build with MOE_SWEEP defined has."""
+    shipped, extra = SOURCE.read_text().split("#ifdef MOE_SWEEP\n")
+    return {"moe_w4a16_nt{}_w{}_r{}_s{}_h{}_a{}_sc{}".format(*m.groups())
+            for m in re.finditer(r"^MOE_KERNEL\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01])\)",
+                                 extra if sweep else shipped, re.M)}
+
+
 def test_config_table_names_instantiated_kernels_that_tile_k2() -> None:
-    made = {tuple(int(v) for v in m.groups())
-            for m in re.finditer(r"^MOE_KERNEL\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01])\)", SOURCE.read_text(),
-                                 re.M)}
-    assert made == moe_cuda.KERNELS
-    for cls, table in moe_cuda.CUDA_CONFIGS.items():
+    assert _cu_kernels() == moe_configs.KERNELS
+    assert _cu_kernels(sweep=True) == {f"moe_w4a16_{k}" for k in moe_configs.SWEEP_KERNELS}
+    for arch, table in moe_configs.CUDA_CONFIGS.items():
+        for cls, buckets in table.items():
+            inter, hidden = SHAPES[cls]
+            last = max(buckets)
+            for bucket, b in buckets.items():
+                for p, n, k in ((b.gate_up, 2 * inter, hidden), (b.down, hidden, inter)):
+                    assert p.tiles(n, k), (arch, cls, bucket, p)
+                    assert p.holds(bucket if bucket != last else 1 << 30), (arch, cls, bucket, p)
+                    assert p.smem_bytes(k) + 12 * p.slots <= SM90.smem_per_block, (arch, cls, bucket)
+    full = moe_configs.H200["full"]
+    assert [moe_configs.bucket_of(full, m) for m in (1, 2, 3, 4, 5, 32, 33, 1024, 4096)] == \
+        [1, 2, 4, 4, 32, 32, 64, 1024, 1024]  # above the last bucket: the last one's
+    p = moe_configs.PassConfig.of("nt1_w4_r1_s4_h1_a8_sc0", 3, 256)
+    assert (p.nt, p.warps, p.strips, p.stages, p.steps, p.tokens, p.scaled) == (1, 4, 1, 4, 1, 8, False)
+    assert p.kernel == "moe_w4a16_nt1_w4_r1_s4_h1_a8_sc0" and p.rows == 64 and p.threads == 128
+    assert not p.tiles(7168, 256), "3 tiles of 64 rows do not tile N = 7168"
+    assert not moe_configs.PassConfig.of("nt1_w4_r1_s2_h2_a8_sc0", 1, 256).tiles(7168, 256), "H = 2 needs K chunks of 512"
+    assert moe_configs.PassConfig.of("nt1_w4_r1_s4_h1_a8_sc0", 1, 256).tiles(7168, 256)
+    with pytest.raises(ValueError, match="not a MoE kernel name"):
+        moe_configs.PassConfig.of("nt1_w4_r1_s4_h1_a8", 1, 256)
+
+
+SM90 = moe_configs.DeviceLimits("sm_90", 232448, 65536, 65536)    # H200: the driver's opt-in and registers
+SM120 = moe_configs.DeviceLimits("sm_120", 101376, 65536, 65536)  # RTX PRO 6000 Blackwell
+
+
+def resources(regs: int = 128, over: dict[str, int] | None = None):  # noqa: ANN201 - a fake of the driver's answer
+    """Per-kernel resources as cuFuncGetAttribute gives them: `regs` a thread (or `over`'s), and the
+    kernel's static slot tables (12 bytes a slot)."""
+    def of(name: str) -> moe_configs.KernelResources:
+        nt = int(re.search(r"_nt(\d+)_", name).group(1))
+        r = (over or {}).get(name, regs)
+        return moe_configs.KernelResources(r, 96 * nt, min(1024, 65536 // (-(-r // 8) * 8)))
+    return of
+
+
+def _choices(limits: moe_configs.DeviceLimits, res=None) -> dict[tuple[str, int], moe_configs.Choice]:  # noqa: ANN001
+    key, table = moe_configs.table_for(limits.arch)
+    out = {}
+    for cls, buckets in table.items():
         inter, hidden = SHAPES[cls]
-        for bucket, cfg in table.items():
-            if cfg is None:
-                continue
-            assert moe_cuda.fits(cfg["gate_up"], 2 * inter, hidden), (cls, bucket)
-            assert moe_cuda.fits(cfg["down"], hidden, inter), (cls, bucket)
-            assert moe_cuda.smem_bytes(cfg["gate_up"], hidden) <= 227 * 1024, (cls, bucket)
-            assert moe_cuda.smem_bytes(cfg["down"], inter) <= 227 * 1024, (cls, bucket)
-    assert moe_cuda.cuda_config(5, 2048) == moe_cuda.cuda_config(32, 2048) != moe_cuda.cuda_config(33, 2048)
-    assert moe_cuda.cuda_config(2, 2048) != moe_cuda.cuda_config(3, 2048) == moe_cuda.cuda_config(4, 2048)
-    assert moe_cuda.cuda_config(4096, 256) == moe_cuda.cuda_config(1024, 256)  # above the last bucket: the last one's
-    assert not moe_cuda.fits((1, 4, 1, 4, 1, 8, 0, 3, 256), 7168, 256), "3 tiles of 64 rows do not tile N = 7168"
-    assert not moe_cuda.fits((1, 4, 1, 2, 2, 8, 0, 1, 256), 7168, 256), "H = 2 needs K chunks of 512"
-    assert moe_cuda.fits((1, 4, 1, 4, 1, 8, 0, 1, 256), 7168, 256)
-    assert not moe_cuda.fits((1, 4, 1, 4, 1, 8, 1, 1, 256), 7168, 256), "the scale form is part of the kernel"
+        for b in buckets:
+            out[cls, b] = moe_configs.choose(key, cls, b, 2 * inter, hidden, hidden, inter, limits, res or resources())
+    return out
+
+
+def test_configs_are_keyed_by_arch_with_a_default() -> None:
+    assert moe_configs.table_for("sm_90") == ("sm_90", moe_configs.H200)
+    for arch in ("sm_100", "sm_103", "sm_120", "sm_999"):
+        assert moe_configs.table_for(arch) == ("default", moe_configs.CUDA_CONFIGS["default"]), arch
+
+
+def test_sm_90_runs_every_pick_of_its_own_table() -> None:
+    for (cls, b), c in _choices(SM90).items():
+        assert c.cuda and c.table_pick and c.table == "sm_90", (cls, b, c.why())
+        assert c.configs == moe_configs.H200[cls][b]
+        assert c.gate_up.reason == c.down.reason == "the sm_90 table's pick"
+
+
+def test_sm_120_falls_back_where_the_picks_exceed_its_shared_memory() -> None:
+    """sm_120's opt-in is 101,376 bytes a block: the M = 1024 bucket's 32-slot picks (112,640 bytes of
+    ring plus 384 of slot tables) do not fit, so that pass runs the next smaller bucket's pick."""
+    got = _choices(SM120)
+    assert all(c.cuda and c.table == "default" for c in got.values()), "no bucket is left to Triton"
+    moved = {k: c for k, c in got.items() if not c.table_pick}
+    assert set(moved) == {("full", 1024), ("shard", 1024)}
+    full, shard = moved["full", 1024], moved["shard", 1024]
+    assert full.gate_up.config == moe_configs.H200["full"][512].gate_up
+    assert full.down.config == moe_configs.H200["full"][512].down
+    assert full.gate_up.reason == ("moe_w4a16_nt4_w4_r4_s2_h1_a32_sc1 needs 113,024 bytes of shared memory a block, "
+                                   "over this device's 101,376: the M <= 512 bucket's pick")
+    assert shard.gate_up.config == moe_configs.H200["shard"][512].gate_up
+    assert shard.down.config == moe_configs.H200["shard"][1024].down, "75,776 + 384 bytes fit: the table's pick"
+    for c in got.values():
+        for p, k in ((c.gate_up.config, SHAPES[c.shape][1]), (c.down.config, SHAPES[c.shape][0])):
+            assert p.smem_bytes(k) + 12 * p.slots <= SM120.smem_per_block
+
+
+def test_an_unknown_arch_with_little_shared_memory_runs_triton_where_nothing_fits() -> None:
+    """A fallback must serve every M of its bucket: at M <= 2 a one-token stage (the M = 1 pick) would
+    drop the second token of an expert, so with 40,000 bytes nothing fits M = 2 and Triton runs."""
+    small = moe_configs.DeviceLimits("sm_999", 40000, 65536, 65536)
+    got = _choices(small)
+    assert got["full", 1].cuda and got["full", 1].table_pick, "39,296 + 96 bytes fit"
+    m2 = got["full", 2]
+    assert not m2.cuda and m2.table == "default"
+    assert "needs 41,824 bytes of shared memory a block, over this device's 40,000" in m2.gate_up.reason
+    assert m2.gate_up.reason.endswith("the Triton kernel runs")
+    assert m2.record(7168, 2048)["impl"] == "triton"
+    with pytest.raises(ValueError, match="runs the Triton kernel here"):
+        m2.configs  # noqa: B018 - the property raises
+
+
+def test_register_limits_are_checked_too() -> None:
+    """The register count of the compiled kernel x its threads, in the driver's allocation units,
+    against the block's and the SM's registers."""
+    fat = "moe_w4a16_nt2_w4_r4_s2_h1_a16_sc0"
+    tight = moe_configs.DeviceLimits("sm_90", 232448, 32768, 65536)
+    ok = _choices(tight, resources(over={fat: 255}))[("full", 512)]
+    assert ok.table_pick, "255 registers round up to 8,192 a warp: 32,768 a block fit exactly"
+    tighter = moe_configs.DeviceLimits("sm_90", 232448, 32767, 65536)
+    c = _choices(tighter, resources(over={fat: 255}))[("full", 512)]
+    assert c.gate_up.config == moe_configs.H200["full"][256].gate_up
+    assert c.gate_up.reason == (f"{fat} needs 32,768 registers a block (255 a thread), over this device's 32,767: "
+                                "the M <= 256 bucket's pick")
+    few = moe_configs.KernelResources(64, 96, 64)
+    assert "launches 128 threads, over the 64" in moe_configs.misfit(moe_configs.H200["full"][1].gate_up, 7168, SM90, few)
+
+
+def test_the_shared_memory_limit_can_be_lowered_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$KDBENCH_CUDA_SMEM_LIMIT runs another device's limit here (sm_120's on an H200); it never raises the driver's."""
+    attrs = {cuda_build.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: 232448, cuda_build.MAX_REGISTERS_PER_BLOCK: 65536,
+             cuda_build.MAX_REGISTERS_PER_MULTIPROCESSOR: 65536}
+    monkeypatch.setattr(cuda_build, "device_attribute", lambda index, a: attrs[a])
+    monkeypatch.setattr(cuda_build, "arch_of", lambda device: "sm_90")
+    for env, want in ((None, (232448, None)), ("101376", (101376, 232448)), ("300000", (232448, None))):
+        moe_cuda.device_limits.cache_clear()
+        if env is None:
+            monkeypatch.delenv(moe_cuda.SMEM_LIMIT_ENV, raising=False)
+        else:
+            monkeypatch.setenv(moe_cuda.SMEM_LIMIT_ENV, env)
+        lim = moe_cuda.device_limits(0)
+        assert (lim.smem_per_block, lim.lowered_from) == want and lim.arch == "sm_90"
+    moe_cuda.device_limits.cache_clear()
+    monkeypatch.setenv(moe_cuda.SMEM_LIMIT_ENV, "99k")
+    with pytest.raises(ValueError, match="KDBENCH_CUDA_SMEM_LIMIT must be a number of bytes"):
+        moe_cuda.device_limits(0)
+    moe_cuda.device_limits.cache_clear()
+
+
+@pytest.fixture
+def fake_device(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """moe_cuda on a pretend CUDA device: its limits and kernel resources are set by the test (the
+    shape and fallback rules only; nothing launches)."""
+    def use(limits: moe_configs.DeviceLimits) -> None:
+        moe_cuda.bucket_choice.cache_clear()
+        moe_cuda._why_not.cache_clear()
+        monkeypatch.setattr(moe_cuda, "device_limits", lambda index: limits)
+        monkeypatch.setattr(moe_cuda, "kernel_resources", lambda index, name: resources()(name))
+        monkeypatch.setattr(moe_cuda, "_cuda", lambda device: torch.device("cuda", 0))
+        monkeypatch.setattr(moe_cuda, "_unavailable", lambda index: None)
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    yield use
+    moe_cuda.bucket_choice.cache_clear()
+    moe_cuda._why_not.cache_clear()
+
+
+def test_impl_and_build_record_say_which_kernel_runs_and_why(fake_device) -> None:  # noqa: ANN001
+    w13 = torch.empty(384, 4096, 896, dtype=torch.int32, device="meta")  # K2 shapes, no memory
+    w2 = torch.empty(384, 7168, 256, dtype=torch.int32, device="meta")
+    x1, x2 = torch.zeros(1, 7168, dtype=torch.bfloat16), torch.zeros(2, 7168, dtype=torch.bfloat16)
+    fake_device(SM120)
+    assert ops.moe_impl(x1, w13, w2) == ops.moe_impl(torch.zeros(4096, 7168, dtype=torch.bfloat16), w13, w2) == "cuda"
+    recs = moe_cuda.bucket_records(torch.device("cuda", 0), 2048, 7168)
+    assert [r["bucket_max_m"] for r in recs] == sorted(moe_configs.H200["full"])
+    last = recs[-1]
+    assert last["impl"] == "cuda" and not last["table_pick"]
+    assert last["gate_up"]["kernel"] == "moe_w4a16_nt2_w4_r4_s2_h1_a16_sc0" and "101,376" in last["gate_up"]["reason"]
+    fake_device(moe_configs.DeviceLimits("sm_999", 40000, 65536, 65536))
+    assert ops.moe_impl(x1, w13, w2) == "cuda" and ops.moe_impl(x2, w13, w2) == "triton"
+    assert moe_cuda.bucket_records(torch.device("cuda", 0), 2048, 7168)[1]["impl"] == "triton"
 
 
 def test_ops_names_the_impl_that_runs() -> None:
@@ -112,27 +269,65 @@ def test_real_nvcc_builds_every_listed_kernel(monkeypatch: pytest.MonkeyPatch, t
         pytest.skip("no nvcc on this machine")
     monkeypatch.setenv("KDBENCH_CUDA_CACHE", str(tmp_path))
     image = cuda_build.compile_cubin(SOURCE, "sm_90").read_bytes()
-    for cfg in moe_cuda.KERNELS:
-        assert moe_cuda.kernel_name((*cfg, 1, 256)).encode() in image
+    for name in moe_configs.KERNELS:
+        assert name.encode() in image
     assert b"moe_align" in image and b"moe_silu_prep" in image and b"moe_sum" in image
+    sweep = _cu_kernels(sweep=True)
+    assert sweep and not sweep & moe_configs.KERNELS and not any(n.encode() in image for n in sweep)
+    image = cuda_build.compile_cubin(SOURCE, "sm_90", (moe_cuda.SWEEP_DEFINE,)).read_bytes()
+    assert all(n.encode() in image for n in sweep | moe_configs.KERNELS), "the sweep build has both"
 
 
 def test_a_one_step_chunk_asks_for_one_ring_stage() -> None:
     """The TP-8 down pass (K = 256) fills one stage: asking for all four would cap CTAs per SM."""
-    cfg = (1, 4, 1, 4, 1, 8, 0, 1, 2048)
-    assert moe_cuda.smem_bytes(cfg, 256) * 4 == moe_cuda.smem_bytes(cfg, 2048)
-    assert moe_cuda.smem_bytes((1, 4, 1, 4, 1, 8, 0, 1, 512), 2048) * 2 == moe_cuda.smem_bytes(cfg, 2048)
-    assert moe_cuda.smem_bytes((1, 4, 1, 2, 2, 8, 0, 1, 2048), 2048) == moe_cuda.smem_bytes(cfg, 2048)
-    assert moe_cuda.smem_bytes((1, 4, 1, 4, 1, 8, 0, 4, 256), 256) == moe_cuda.smem_bytes(cfg, 2048), "tiles fill the ring"
+    of = moe_configs.PassConfig.of
+    cfg = of("nt1_w4_r1_s4_h1_a8_sc0", 1, 2048)
+    assert cfg.smem_bytes(256) * 4 == cfg.smem_bytes(2048)
+    assert of("nt1_w4_r1_s4_h1_a8_sc0", 1, 512).smem_bytes(2048) * 2 == cfg.smem_bytes(2048)
+    assert of("nt1_w4_r1_s2_h2_a8_sc0", 1, 2048).smem_bytes(2048) == cfg.smem_bytes(2048)
+    assert of("nt1_w4_r1_s4_h1_a8_sc0", 4, 256).smem_bytes(256) == cfg.smem_bytes(2048), "tiles fill the ring"
 
 
-def test_kernel_arguments_are_device_pointers_ints_or_null() -> None:
-    t = torch.zeros(2)
-    assert cuda_build._arg(t).value == t.data_ptr()
-    assert cuda_build._arg(7).value == 7 and cuda_build._arg(True).value == 1
-    assert cuda_build._arg(None).value is None, "None is a null pointer (moe_align without activations)"
-    with pytest.raises(TypeError, match="float"):
-        cuda_build._arg(1.5)
+class FakeDriver:
+    """The two driver calls a Launch makes, recorded: what the kernel would have been given."""
+
+    def __init__(self, rc: int = 0) -> None:
+        self.rc, self.launched, self.smem = rc, [], []
+
+    def cuLaunchKernelEx(self, config, fn, params, extra) -> int:  # noqa: ANN001, N802 - the driver's names
+        cfg = config._obj
+        self.launched.append((cfg.stream, list(cfg.grid), [ctypes.c_int64.from_address(params[i]).value
+                                                           for i in range(len(params))]))
+        return self.rc
+
+    def cuFuncSetAttribute(self, fn, attr, value) -> int:  # noqa: ANN001, N802
+        self.smem.append(value.value)
+        return 0
+
+    def cuGetErrorString(self, rc, out) -> int:  # noqa: ANN001, N802
+        out._obj.value = b"invalid argument"
+        return 0
+
+
+def test_a_launch_is_set_up_once_and_reads_its_arguments_from_the_buffer() -> None:
+    """The params array points into the caller's int64 buffer: writing the buffer is all a call
+    does before the launch; ints are read from a slot's low 4 bytes (little-endian)."""
+    lib = FakeDriver()
+    kernel = cuda_build.Kernel(lib, ctypes.c_void_p(1), "k")
+    buf = np.zeros(6, dtype=np.int64)
+    launch = cuda_build.Launch(kernel, (3, 2), 128, 70000, buf[2:5], pdl=True)
+    assert lib.smem == [70000], "the opt-in above 48 KB is made at set-up"
+    cuda_build.Launch(kernel, (1,), 128, 60000, buf[:2], pdl=False)
+    assert lib.smem == [70000], "once per size: a smaller one needs none"
+    buf[2:5] = [0x7F0000001000, 17, -1]
+    launch(stream=99)
+    assert lib.launched == [(99, [3, 2, 1], [0x7F0000001000, 17, -1])]
+    assert ctypes.c_int.from_address(launch.params[2]).value == -1
+    with pytest.raises(ValueError, match="contiguous int64"):
+        cuda_build.Launch(kernel, (1,), 32, 0, buf[::2], pdl=False)
+    lib.rc = 1
+    with pytest.raises(RuntimeError, match=r"launch k failed: CUDA error 1 \(invalid argument\)"):
+        launch(stream=99)
 
 
 def test_launch_config_matches_cuda_h_and_asks_for_pdl_only_when_told() -> None:
@@ -166,14 +361,76 @@ def test_every_launch_waits_for_the_kernel_before_it() -> None:
     assert gemm.index("if (early) grid_wait();") < gemm.index("load(s, s, false, true)"), "activations after the wait"
 
 
-def test_a_stage_of_one_token_serves_only_m_1(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stage_of_one_token_serves_only_m_1(fake_device) -> None:  # noqa: ANN001
     """TA = 1 stages hold one token's activations: right only while no expert has two tokens (M = 1)."""
-    one = {"gate_up": (1, 4, 1, 2, 2, 1, 0, 1, 7168), "down": (1, 4, 1, 2, 2, 1, 0, 2, 2048)}
+    fake_device(SM90)
+    full = moe_configs.H200["full"]
+    one, two = full[1], full[2]
     w13 = torch.empty(384, 4096, 896, dtype=torch.int32, device="meta")  # shapes, no memory
     w2 = torch.empty(384, 7168, 256, dtype=torch.int32, device="meta")
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the shape rules only
     assert moe_cuda.supports(torch.zeros(1, 7168, dtype=torch.bfloat16), w13, w2, one)
     assert not moe_cuda.supports(torch.zeros(2, 7168, dtype=torch.bfloat16), w13, w2, one)
-    two = moe_cuda.cuda_config(2, 2048)
     assert moe_cuda.supports(torch.zeros(2, 7168, dtype=torch.bfloat16), w13, w2, two)
-    assert moe_cuda.smem_bytes(one["gate_up"], 7168) < moe_cuda.smem_bytes(two["gate_up"], 7168)
+    assert one.gate_up.smem_bytes(7168) < two.gate_up.smem_bytes(7168)
+    big = full[1024]
+    assert moe_cuda.supports(torch.zeros(2048, 7168, dtype=torch.bfloat16), w13, w2, big)
+    fake_device(SM120)
+    assert not moe_cuda.supports(torch.zeros(2048, 7168, dtype=torch.bfloat16), w13, w2, big), "an override is checked too"
+
+
+def _cu_params(name: str) -> int:
+    """How many parameters kernel `name` (or, for moe_w4a16_*, the MOE_KERNEL macro's) takes in the source."""
+    src = SOURCE.read_text()
+    at = src.index("moe_w4a16_nt##NT" if name.startswith("moe_w4a16_") else f"    {name}(")
+    params = src[src.index("(", at) + 1:src.index(")", at)]
+    return len(params.replace("\\", " ").split(","))
+
+
+def test_a_call_shape_is_laid_out_once_and_wires_each_pass_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_Call (CPU, driver faked): each launch gets as many arguments as its kernel declares, the
+    buffers chain align -> gate_up -> SiLU -> down -> sum, workspace buffers are 256-byte aligned and
+    disjoint, and a call writes only the base pointers. Passes of different block sizes (sm_120's
+    TP-8 M = 1024 fallback: 16-slot gate_up, 32-slot down) get a table each."""
+    lib = FakeDriver()
+    kernels = {}
+
+    class Mod:
+        def kernel(self, name: str) -> cuda_build.Kernel:
+            return kernels.setdefault(name, cuda_build.Kernel(lib, ctypes.c_void_p(1), name))
+
+    monkeypatch.setattr(moe_cuda, "_module", lambda device, sweep=False: Mod())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(cuda_build, "current_stream", lambda index: 5)
+    shard = moe_configs.H200["shard"]
+    cfg = moe_configs.Bucket(shard[512].gate_up, shard[1024].down)
+    m, h, e, inter, topk = 1000, 7168, 384, 256, 8
+    call = moe_cuda._Call(0, m, h, e, inter, topk, cfg)
+    names = [ln.kernel.name for ln in call.launches]
+    assert names == ["moe_align", "moe_align", cfg.gate_up.kernel, "moe_silu_prep", cfg.down.kernel, "moe_sum"]
+    for ln in call.launches:
+        assert len(ln.args) == _cu_params(ln.kernel.name), ln.kernel.name
+    ptr = dict(zip(moe_cuda._BASES, (0, *(i << 40 for i in range(1, 10)))))
+    call(tuple(ptr.values()))
+    assert [launch[0] for launch in lib.launched] == [5] * 6
+    al_gu, al_dn, gu, silu, dn, sm = (list(ln.args) for ln in call.launches)
+    ws = ptr["workspace"]
+    bufs = sorted({a for args in (al_gu, al_dn, gu, silu, dn, sm) for a in args if ws <= a < ws + call.ws_bytes})
+    assert all((a - ws) % 256 == 0 for a in bufs) and bufs[0] == ws
+    s, ub = m * topk, lambda bm: -(-m * topk // bm) + min(e, m * topk)
+    assert al_gu[:5] == [ptr["ids"], s, e, 16, ub(16)] and al_gu[10:13] == [ptr["x"], m, h]
+    assert al_dn[:5] == [ptr["ids"], s, e, 32, ub(32)] and al_dn[10:] == [0, 0, 0, 0, 0]
+    assert gu[:2] == al_gu[13:15], "gate_up reads the activations align prepared"
+    assert gu[2:4] == [ptr["w13_q"], ptr["w13_s"]] and gu[5] == ptr["tw"] and gu[6:11] == al_gu[5:10]
+    assert gu[11:] == [s, 2 * inter, h, 7168, 1, topk, e, 0, 0]
+    assert silu[0] == gu[4] and silu[1:4] == [1, s, inter], "SiLU reads gate_up's partials"
+    assert dn[:2] == silu[4:6] and dn[6:11] == al_dn[5:10], "down reads SiLU's output and its own table"
+    assert dn[11:] == [s, h, inter, 256, 8, 1, e, 1, 1]
+    assert sm == [dn[4], 1, s, m, h, topk, ptr["out"]]
+    assert lib.launched[2][1] == [ub(16), 2 * inter // (cfg.gate_up.rows * cfg.gate_up.span), 1]
+    assert lib.launched[4][1] == [ub(32), h // (cfg.down.rows * cfg.down.span), 1]
+    need = 4 * s * 2 + 4 * e * 4 + 4 * (ub(16) + ub(32)) * 2 + 2 * m * h * 17 // 16 + 4 * s * 2 * inter + \
+        2 * s * inter * 17 // 16 + 2 * s * h
+    assert need <= call.ws_bytes <= need + 256 * 16
+    ptr["x"] += 64
+    call(tuple(ptr.values()))
+    assert call.launches[0].args[10] == ptr["x"], "a call rewrites the base pointers"

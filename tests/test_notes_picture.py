@@ -152,9 +152,9 @@ def test_the_moe_section_shows_full_and_tp8_shard_shapes_in_two_tables(tmp_path:
         assert [r[0] for r in rows] == [str(k["M"]) for k in want]             # one row per M: never mixed
         assert [r[1] for r in rows] == [k["impl"] for k in want]
         assert [r[2] for r in rows] == [f"{k['time_us_p50']:,.1f}" for k in want]
-        assert [r[4] for r in rows] == [f"{k['bytes'] / 1e6:,.1f}" for k in want]
-        assert [r[6] for r in rows] == [f"{100 * k['bytes'] / (k['time_us_p50'] * 1e3) / 4300.0:,.1f}" for k in want]
-        assert [r[8] for r in rows] == [f"{k['unique_experts']} ({k['expected_experts']:,.1f})" for k in want]
+        assert [r[5] for r in rows] == [f"{k['bytes'] / 1e6:,.1f}" for k in want]
+        assert [r[7] for r in rows] == [f"{100 * k['bytes'] / (k['time_us_p50'] * 1e3) / 4300.0:,.1f}" for k in want]
+        assert [r[10] for r in rows] == [f"{k['unique_experts']} ({k['expected_experts']:,.1f})" for k in want]
     moe = _section(page, "MoE W4A16 GEMM")
     assert "expert intermediate 256 (gate_up N = 512, down K = 256)" in moe
     assert "expert intermediate 2048 (gate_up N = 4096, down K = 2048)" in moe
@@ -277,3 +277,31 @@ def test_the_moe_table_shows_the_kernel_that_runs_at_each_m(tmp_path: Path, inv:
     assert [r[0] for r in full] == [str(m) for m in sorted({k["M"] for k in moe})]
     assert [r[1] for r in full] == ["cuda" if int(r[0]) in cuda_m else "triton" for r in full]
     assert "triton, cuda" in _section(page, "MoE W4A16 GEMM")
+
+
+def test_the_moe_table_shows_host_time_and_percent_of_the_roofline(tmp_path: Path, inv: Inventory) -> None:
+    """host us beside the GPU time, and roofline %: max(bytes / copy, flops / matmul) at the run's own
+    ceilings over the time; at a compute-bound point the flops term is the floor."""
+    ref = model_run(tmp_path / "ref")
+    table = read_table(ref / "kernels.arrow")
+    runs = read_table(ref / "runs.arrow").to_pylist()
+    copy = next(r["copy_gbps"] for r in runs if r["suite"] == "kernels")
+    mm = next(r["matmul_tflops"] for r in runs if r["suite"] == "kernels")
+    rows = table.to_pylist()
+    full = sorted((k for k in rows if k["kernel"] == "moe_w4a16" and k["tp"] == 1), key=lambda k: k["M"])
+    full[0]["host_us"] = 23.456
+    last = full[-1]
+    last["flops"] = 4 * last["bytes"] / (copy * 1e3) * mm * 1e6  # floor: 4x the byte time, in flops
+    write_table(ref, to_table("kernels", rows, provenance(table)))
+    store = Store(str(tmp_path / "art"))
+    store.ingest("h200", "h200-model-1", ref)
+    page = (_render(store, inv, tmp_path / "docs") / "h200.md").read_text()
+    moe = _section(page, "MoE W4A16 GEMM")
+    head = next(line for line in moe.splitlines() if line.startswith("| M |"))
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    body, _ = _shard_rows(page)
+    host, roof = cols.index("host us"), cols.index("roofline %")
+    assert body[0][host] == "23.5" and body[1][host] == "-", "host time where measured, '-' elsewhere"
+    byte_floor = 100 * full[0]["bytes"] / (copy * 1e3) / full[0]["time_us_p50"]
+    assert body[0][roof] == f"{byte_floor:,.1f}" == body[0][cols.index("% of copy BW")], "byte-bound: % of copy"
+    assert body[-1][roof] == f"{400 * last['bytes'] / (copy * 1e3) / last['time_us_p50']:,.1f}"
