@@ -1,19 +1,24 @@
-"""Hold-out backtests of the projection on measured data, stored as data for the notes.
+"""Hold-out backtests of the projection on measured data, stored as data for the notes and the bands.
 
 Each backtest predicts measured points from other measured points and reports, per kernel family
-and for e2e, the median and worst error (projected / measured - 1) and the share of measured
-points inside the predicted band:
+and for e2e, the median and worst error (projected / measured - 1), the held-out ratios measured /
+projected (the evidence flows.bands builds every projected figure's band from), and how a band from
+that evidence does on the points themselves: each point's band comes from the other points' ratios
+only (other configurations, for e2e rows: the acceptance levels of one configuration are one group),
+its coverage is the share of points inside, its width the median half-width.
 
-- composition: each e2e step from the kernel suite's points plus the dense weights at the measured
-  ceilings, with the terms no kernel covers (draft, other, comm) taken as measured;
+- composition: each e2e step from the step model (flows.stepmodel) calibrated on the other
+  configurations' rows (leave one configuration out);
 - depth: the full-depth step from a straight line through the shallower depths of the same point;
-- size: a family's largest sizes from its smaller ones (MoE M >= 256 from M <= 128, context 64k from
-  <= 32k, tree budget 1024 from <= 256), each carried by the nearest calibrated point's efficiency;
-- tp: the TP-N rank from the TP-1 rows (and kernel shards from full shapes);
+- size: a family's largest sizes from its smaller ones (MoE M >= 256 from M < 256, context 64k and
+  up from less, tree budget 1024 from less, dense GEMM M >= 256 from less), its kernel model fitted on the
+  smaller ones alone;
+- tp: the TP-N kernel shards from the full shapes, and the TP-N rank step from the step model
+  calibrated on the TP-1 rows (with the measured shard-shape kernels);
 - cross-host: every measured host from every other one, and outside figures where they match.
 
 A backtest without the data it needs is a row with `skipped` saying why. Nothing is calibrated
-on the points it is judged on: every prediction uses only the calibration side.
+on the points it is judged on.
 """
 
 from __future__ import annotations
@@ -23,20 +28,20 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
-import pyarrow as pa
-
-from engine.config import CONFIGS, ModelConfig
-from engine.costs import (BF16, build_tree_cost, dense_step_bytes, expected_experts, mla_cost, moe_cost,
-                          tree_accept_cost)
-from flows.families import (LATENCY, MEMORY, POINT_KEY, SIZE_AXIS, e2e_key, family, host_side, label, point_key, preferred, regime,
-                            step_shapes, tp_of)
-from flows.projection import (TERMS, ProjectionError, breakdown, has_split, launch_floor, measured_ceilings,
-                              project, rows_of)
+from flows.bands import jackknife
+from flows.families import POINT_KEY, SIZE_AXIS, e2e_key, family, host_side, label, point_key, preferred, regime, tp_of
 from flows.inventory import Inventory
+from flows.kernelfit import AXES, class_key, fit_family
+from flows.projection import ProjectionError, breakdown, measured_ceilings, project, rows_of
 from flows.reference import Dataset, is_outside, measured_datasets, project_host, unmeasured_hosts
+from flows.stepmodel import FAMILIES, COLUMN, answer, build, calibration_rows, config_of, query_of
 from flows.store import Store, StoreError
+from flows.whatif import store_grids
 
-GOAL_MEDIAN = {MEMORY: 0.10, "e2e": 0.20}   # median |error| goals by regime (none set for the others)
+GOAL_MEDIAN = {"memory": 0.10, "e2e": 0.20}   # median |error| goals by regime (none set for the others)
+# issue 25's goals for a kind of carry: (kind, family prefix, regime) -> median |error|
+GOAL_KIND = {("composition", "e2e step", "e2e"): 0.05, ("tp", "e2e", "e2e"): 0.10,
+             ("cross-host", "", "memory"): 0.20}
 GOAL_IN_BAND = 0.90
 STORED = "backtest/backtest.json"
 # the size backtest: held-out sizes (axis value >= cut) predicted from the smaller ones
@@ -49,12 +54,17 @@ class BacktestRow:
     reference: str
     target: str
     family: str             # "kernel/impl", or an e2e quantity such as "e2e step"
-    regime: str             # memory | compute | host | e2e: which goal applies
+    regime: str             # memory | compute | host | latency | e2e: which goal applies
     points: int
     median_error: float | None = None   # projected / measured - 1, median over the points
     worst_error: float | None = None    # the largest |error|, signed
-    in_band: float | None = None        # share of measured points inside the predicted band
+    in_band: float | None = None        # share of points inside their band (of those with a known band)
     detail: str = ""                    # what was predicted from what, or why the backtest was skipped
+    median_abs_error: float | None = None  # the median of |error|: what the goals are on
+    half_width: float | None = None     # median half-width of the bands, relative to the prediction
+    unknown: int = 0                    # points whose band is unknown (too little other evidence)
+    ratios: tuple[float, ...] = ()      # measured / projected of each point: a carry's evidence
+    groups: tuple[str, ...] = ()        # the group of each point (one configuration's acceptance levels)
 
     @property
     def skipped(self) -> bool:
@@ -65,135 +75,68 @@ def goal_gap(row: BacktestRow) -> tuple[float | None, float | None]:
     """How far the row misses its goals: (median |error| over its goal, in-band share under 90%)."""
     if row.skipped:
         return None, None
-    goal = GOAL_MEDIAN.get(row.regime)
-    med = max(abs(row.median_error) - goal, 0.0) if goal is not None else None
-    return med, max(GOAL_IN_BAND - row.in_band, 0.0)
+    goal = next((g for (kind, fam, reg), g in GOAL_KIND.items()
+                 if row.kind == kind and row.family.startswith(fam) and row.regime == reg), GOAL_MEDIAN.get(row.regime))
+    med = max((row.median_abs_error if row.median_abs_error is not None else abs(row.median_error)) - goal, 0.0) \
+        if goal is not None else None
+    return med, None if row.in_band is None else max(GOAL_IN_BAND - row.in_band, 0.0)
 
 
-Pair = tuple[float, float, float, float]   # measured, predicted, band low, band high
+Pair = tuple[float, float, object]   # measured, predicted, group (points of one group share a band's blind spot)
 
 
 def summarise(kind: str, ref: str, target: str, fam: str, reg: str, pairs: Sequence[Pair],
               detail: str) -> BacktestRow:
+    pairs = [p for p in pairs if p[0] and p[1]]
     if not pairs:
         return BacktestRow(kind, ref, target, fam, reg, 0, detail=detail)
-    errs = [p / m - 1 for m, p, _, _ in pairs]
-    inside = sum(lo * (1 - 1e-9) <= m <= hi * (1 + 1e-9) for m, _, lo, hi in pairs)
-    return BacktestRow(kind, ref, target, fam, reg, len(errs), statistics.median(errs),
-                       max(errs, key=abs), inside / len(errs), detail)
+    errs = [p / m - 1 for m, p, _ in pairs]
+    ratios = [m / p for m, p, _ in pairs]
+    bands = jackknife(ratios, [g for *_, g in pairs])
+    known = [(r, b) for r, b in zip(ratios, bands) if b is not None]
+    inside = sum(lo * (1 - 1e-9) <= r <= hi * (1 + 1e-9) for r, (lo, hi) in known)
+    return BacktestRow(kind, ref, target, fam, reg, len(errs), statistics.median(errs), max(errs, key=abs),
+                       inside / len(known) if known else None, detail, statistics.median(abs(e) for e in errs),
+                       statistics.median((hi - lo) / 2 for _, (lo, hi) in known) if known else None,
+                       len(bands) - len(known), tuple(ratios), tuple(str(g) for *_, g in pairs))
 
 
-# -- carrying a point to a nearby shape ----------------------------------------------------------
-
-def cost_of(fam: str, cfg: ModelConfig, shape: dict[str, float], tp: int = 1) -> tuple[float, float]:
-    """(bytes, flops) of a family at a shape, from engine.costs."""
-    if fam == "moe_w4a16":
-        m = int(shape["M"])
-        return moe_cost(cfg, m, expected_experts(cfg.experts, cfg.top_k, m), tp=tp)
-    if fam == "mla_tree_attention":
-        return mla_cost(cfg, int(shape["batch"]), int(shape["budget"]), int(shape["context"]), tp=tp)
-    if fam == "build_tree":
-        return build_tree_cost(cfg, int(shape["batch"]), int(shape["budget"]))
-    return tree_accept_cost(cfg, int(shape["batch"]), int(shape["budget"]))
-
-
-def carried(point: dict[str, Any], nbytes: float, flops: float, gbps: float, tflops: float) -> tuple[float, float, float]:
-    """The point's time (p50, p10, p90) at another shape's bytes and flops, keeping its own efficiency
-    on the resource that bounds it (host-side points keep their time)."""
-    times = [point["time_us_p50"], point.get("time_us_p10") or point["time_us_p50"],
-             point.get("time_us_p90") or point["time_us_p50"]]
-    if host_side(point):
-        return times[0], times[1], times[2]
-    ideal = lambda b, f: max(b / (gbps * 1e3), f / (tflops * 1e6))  # noqa: E731
-    scale = ideal(nbytes, flops) / max(ideal(point["bytes"], point["flops"]), 1e-12)
-    floor = launch_floor(point)
-    return tuple(floor + (t - floor) * scale for t in times)  # type: ignore[return-value]
-
-
-def _dist(point: dict[str, Any], want: dict[str, float]) -> float:
-    return sum(abs(math.log(max(point.get(k) or 1, 1) / max(v, 1))) for k, v in want.items())
-
-
-def at_shape(points: list[dict[str, Any]], fam: str, want: dict[str, float], cfg: ModelConfig,
-             gbps: float, tflops: float, tp: int = 1) -> tuple[float, float, float] | None:
-    """A family's time at a shape: its nearest measured point (log distance) carried there."""
-    cands = preferred([p for p in points if family(p["kernel"]) == fam and tp_of(p) == tp])
-    if not cands:
-        return None
-    best = min(cands, key=lambda p: (_dist(p, want), point_key(p)))
-    return carried(best, *cost_of(fam, cfg, {**{k: best.get(k) for k in want}, **want}, tp), gbps, tflops)
-
-
-def carry_misses(kern: list[dict[str, Any]], fam: str, axes: list[str], cfg: ModelConfig, gbps: float,
-                 tflops: float, tp: int = 1) -> tuple[float, float]:
-    """How far carrying a family's nearest other point missed each of its measured points (measured /
-    carried, min and max): the band a carry to an unmeasured shape gets, from the kernel suite alone."""
-    pts = preferred([p for p in kern if family(p["kernel"]) == fam and tp_of(p) == tp])
-    ratios = []
-    for p in pts:
-        others = [q for q in pts if q is not p]
-        got = at_shape(others, fam, {k: p[k] for k in axes}, cfg, gbps, tflops, tp) if others else None
-        if got:
-            ratios.append(p["time_us_p50"] / got[0])
-    return (min(ratios), max(ratios)) if ratios else (1.0, 1.0)
-
-
-def config_of(row: dict[str, Any]) -> ModelConfig:
-    return CONFIGS.get(row["config"].split("/")[0], CONFIGS["k2"])
+def _groups(rows: Sequence[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """e2e rows by configuration: the acceptance levels of one (tp, C, B, context, depth) are one group."""
+    out: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(e2e_key(r, without=("synthetic_accept",)), []).append(r)
+    return out
 
 
 # -- composition ---------------------------------------------------------------------------------
 
-def compose_step(row: dict[str, Any], kern: list[dict[str, Any]], gbps: float,
-                 tflops: float) -> dict[str, tuple[float, float, float]] | None:
-    """Predicted (ms, low, high) of verify, tree_build and accept for one e2e row, from kernel points."""
-    cfg, tp = config_of(row), tp_of(row)
-    layers = row["layers"] or cfg.layers
-    moe_layers = layers - min(cfg.dense_layers, layers)
-    shapes = step_shapes(row)
-    got: dict[str, tuple[float, float, float]] = {}
-    for f in shapes:
-        at = at_shape(kern, f, shapes[f], cfg, gbps, tflops, tp)
-        if at is None:
-            return None
-        lo, hi = carry_misses(kern, f, list(shapes[f]), cfg, gbps, tflops, tp)
-        got[f] = (at[0], min(at[1], at[0] * lo), max(at[2], at[0] * hi))
-    tokens = row["concurrency"] * (row["budget"] + 1)
-    dense = dense_step_bytes(cfg, layers, row.get("vocab"), tp)
-    dense_us = max(dense / (gbps * 1e3), 2.0 * tokens * dense / BF16 / (tflops * 1e6))
-    verify = [layers * a + moe_layers * m + dense_us for a, m in zip(got["mla_tree_attention"], got["moe_w4a16"])]
-    return {"verify_ms": tuple(v / 1e3 for v in verify),  # type: ignore[dict-item]
-            "tree_build_ms": tuple(v / 1e3 for v in got["build_tree"]),  # type: ignore[dict-item]
-            "accept_ms": tuple(v / 1e3 for v in got["tree_accept"])}  # type: ignore[dict-item]
-
-
 def composition(data: Dataset) -> list[BacktestRow]:
-    rows = [r for r in rows_of(data.tables, "e2e") if r["source"] == "measured" and has_split(r)]
-    kern = [k for k in rows_of(data.tables, "kernels") if k["source"] == "measured"]
+    rows = calibration_rows(rows_of(data.tables, "e2e"))
     name = data.name
-    why = "each step from the kernel points (nearest shape, own efficiency; band: how far the same carry missed " \
-          "the family's measured points from their neighbours) plus the dense weights at the measured copy/matmul " \
-          "ceilings; draft, other and comm as measured"
-    if not rows or not kern:
+    groups = _groups(rows)
+    if len(groups) < 2 or not rows_of(data.tables, "kernels"):
         return [BacktestRow("composition", name, name, "e2e step", "e2e", 0,
-                            detail="needs kernel points and e2e rows with a step split in one run")]
-    ceil = measured_ceilings(data.tables["runs"], data.machine.spec)
-    gbps, tflops = ceil.gbps, ceil.tflops()
+                            detail="needs kernel points and e2e rows of two or more configurations in one run")]
+    split = all(r.get("moe_ms") is not None for r in rows)
     pairs: dict[str, list[Pair]] = {}
-    for r in rows:
-        pred = compose_step(r, kern, gbps, tflops)
-        if pred is None:
-            continue
-        terms = breakdown(r)
-        total = [sum(terms[t] for t in TERMS if t not in pred)] * 3
-        for t, (c, lo, hi) in pred.items():
-            pairs.setdefault(t.removesuffix("_ms"), []).append((terms[t], c, min(lo, c), max(hi, c)))
-            total = [total[0] + c, total[1] + min(lo, c), total[2] + max(hi, c)]
-        pairs.setdefault("e2e step", []).append((sum(terms.values()), *total))
-    out = [summarise("composition", name, name, "e2e step", "e2e", pairs.get("e2e step", []), why)]
-    for t in ("verify", "tree_build", "accept"):
-        out.append(summarise("composition", name, name, f"e2e {t} term", "e2e", pairs.get(t, []),
-                             "the term alone, predicted as above"))
+    for key, held in groups.items():
+        model = build(data.tables, data.machine, data.machine, [r for r in rows if e2e_key(
+            r, without=("synthetic_accept",)) != key])
+        for r in held:
+            s = answer(model, query_of(r), config_of(r))
+            pairs.setdefault("e2e step", []).append((r["step_ms_p50"], s.step_ms, key))
+            if r.get("kernel_ms") is not None:
+                pairs.setdefault("e2e GPU time", []).append((r["kernel_ms"], s.step_ms - s.ms["host"], key))
+                pairs.setdefault("e2e host time", []).append((r["outside_ms"], s.ms["host"], key))
+            if split:
+                for f in FAMILIES:
+                    pairs.setdefault(f"e2e {f}", []).append((r[COLUMN[f]], s.ms[f], key))
+    why = ("each configuration's steps from the step model calibrated on the other configurations' rows "
+           "(kernel models at the step's shapes x in-step factors + gpu_other + host)")
+    out = [summarise("composition", name, name, "e2e step", "e2e", pairs["e2e step"], why)]
+    for fam in (k for k in pairs if k != "e2e step"):
+        out.append(summarise("composition", name, name, fam, "e2e", pairs[fam], "the term alone, predicted as above"))
     return out
 
 
@@ -212,17 +155,14 @@ def depth(data: Dataset) -> list[BacktestRow]:
     for r in rows:
         groups.setdefault(e2e_key(r, without=("layers",)), []).append(r)
     pairs: list[Pair] = []
-    for g in groups.values():
+    for key, g in groups.items():
         full = config_of(g[0]).layers
         deep = [r for r in g if r["layers"] == full]
         shallow = sorted((r for r in g if r["layers"] and r["layers"] < full), key=lambda r: r["layers"])
         if not deep or len({r["layers"] for r in shallow}) < 2:
             continue
-        xs, ys = [r["layers"] for r in shallow], [r["step_ms_p50"] for r in shallow]
-        c = _line(xs, ys)(full)
-        # the band: the same line fitted with each shallow depth left out in turn (when 3 or more)
-        alt = [_line(xs[:i] + xs[i + 1:], ys[:i] + ys[i + 1:])(full) for i in range(len(xs))] if len(xs) > 2 else []
-        pairs.append((deep[0]["step_ms_p50"], c, min([c, *alt]), max([c, *alt])))
+        c = _line([r["layers"] for r in shallow], [r["step_ms_p50"] for r in shallow])(full)
+        pairs.append((deep[0]["step_ms_p50"], c, key))
     depths = sorted({r["layers"] for r in rows if r["layers"]})
     detail = ("full-depth step from a straight line through the shallower depths of the same point" if pairs else
               f"needs rows at 2 or more shallow depths and at full depth (61 for k2) of the same point; "
@@ -232,43 +172,37 @@ def depth(data: Dataset) -> list[BacktestRow]:
 
 # -- size ----------------------------------------------------------------------------------------
 
+def _shape(p: dict[str, Any], fam: str) -> dict[str, float]:
+    return {a: float(p.get(a) or 0) for a in AXES[fam]}
+
+
 def size(data: Dataset) -> list[BacktestRow]:
-    kern = [k for k in rows_of(data.tables, "kernels") if k["source"] == "measured"]
+    kern = [k for k in rows_of(data.tables, "kernels") if k["source"] == "measured" and not host_side(k)]
     ceil = measured_ceilings(data.tables["runs"], data.machine.spec)
     out = []
     fams: dict[str, list[dict[str, Any]]] = {}
     for k in kern:
-        if family(k["kernel"]) in SIZE_AXIS and not host_side(k):
+        if family(k["kernel"]) in SIZE_AXIS:
             fams.setdefault(label(k), []).append(k)
-    for fam, pts in sorted(fams.items()):
-        axis = SIZE_AXIS[family(pts[0]["kernel"])]
-        cut = HOLD_OUT[axis]
-        others = [a for a in ("batch", "budget", "context", "tp", "dtype") if a != axis]
+    for fam_label, pts in sorted(fams.items()):
+        fam = family(pts[0]["kernel"])
+        axis, cut = SIZE_AXIS[fam], HOLD_OUT[SIZE_AXIS[fam]]
+        calib = [p for p in pts if (p.get(axis) or 0) < cut]
+        held = [p for p in pts if (p.get(axis) or 0) >= cut]
+        model = fit_family(fam, calib, *ceil.of(pts[0]["dtype"])) if calib else None
         pairs: list[Pair] = []
         regimes = []
-        for h in (p for p in pts if (p.get(axis) or 0) >= cut):
-            same = [p for p in pts if (p.get(axis) or 0) < cut and all(p.get(a) == h.get(a) for a in others)]
-            if not same:
+        for h in held:
+            if model is None or class_key(h) not in model.classes:
                 continue
-            gbps, tflops = ceil.of(h["dtype"])
-            calib = sorted(same, key=lambda p: p.get(axis) or 0)
-            if regime(calib[-1], gbps, tflops) == LATENCY and len(calib) > 1:
-                # neither bandwidth nor flops sets the time: extend the calibrated trend (a power law)
-                def carry(prev: list[dict[str, Any]], to: dict[str, Any]) -> tuple[float, ...]:
-                    return trend(prev, to, axis)
-            else:
-                def carry(prev: list[dict[str, Any]], to: dict[str, Any]) -> tuple[float, ...]:
-                    return carried(prev[-1], to["bytes"], to["flops"], gbps, tflops)
-            c, lo, hi = carry(calib, h)
-            # the band: how far the same carry missed each calibrated size from the smaller ones
-            misses = [b["time_us_p50"] / carry(calib[:i], b)[0] for i, b in enumerate(calib) if i >= 2]
-            pairs.append((h["time_us_p50"], c, min([lo, *(c * m for m in misses)]), max([hi, *(c * m for m in misses)])))
-            regimes.append(regime(h, gbps, tflops))
+            got = model.time_us(class_key(h), _shape(h, fam), h["bytes"], h["flops"])
+            if got:
+                pairs.append((h["time_us_p50"], got[0].value, id(h)))
+                regimes.append(regime(h, *ceil.of(h["dtype"])))
         reg = statistics.mode(regimes) if regimes else regime(pts[0], *ceil.of(pts[0]["dtype"]))
-        detail = (f"{axis} >= {cut} from {axis} < {cut}: the largest calibrated size's efficiency carried (latency-"
-                  "bound families: the calibrated power-law trend); band: its p10-p90 and how far the same carry "
-                  "missed each calibrated size from the smaller ones")
-        out.append(summarise("size", data.name, data.name, fam, reg, pairs,
+        detail = (f"{axis} >= {cut} from {axis} < {cut}: the family's kernel model (latency + bytes / bandwidth + "
+                  "flops / compute, fitted on the smaller sizes) times the nearest calibrated point's residual")
+        out.append(summarise("size", data.name, data.name, fam_label, reg, pairs,
                              detail if pairs else f"no points at {axis} >= {cut} with smaller ones of the same shape"))
     return out
 
@@ -284,66 +218,48 @@ def trend(prev: list[dict[str, Any]], to: dict[str, Any], axis: str) -> tuple[fl
 # -- tensor parallel -----------------------------------------------------------------------------
 
 def tensor_parallel(data: Dataset) -> list[BacktestRow]:
-    e2e = [r for r in rows_of(data.tables, "e2e") if r["source"] == "measured" and has_split(r)]
-    degrees = sorted({tp_of(r) for r in e2e})
-    kern = [k for k in rows_of(data.tables, "kernels") if k["source"] == "measured"]
-    out = []
+    kern = [k for k in rows_of(data.tables, "kernels") if k["source"] == "measured" and not host_side(k)]
     ceil = measured_ceilings(data.tables["runs"], data.machine.spec)
-    # kernels: a shard shape from the full shape's point, own efficiency kept
-    shard = [k for k in kern if tp_of(k) > 1 and not host_side(k)]
-    fams: dict[str, list[Pair]] = {}
-    for k in shard:
-        full = [p for p in kern if tp_of(p) == 1 and unsharded_key(p) == unsharded_key(k)]
-        if full:
-            c, lo, hi = carried(full[0], k["bytes"], k["flops"], *ceil.of(k["dtype"]))
-            fams.setdefault(label(k), []).append((k["time_us_p50"], c, lo, hi))
-    for fam, pairs in sorted(fams.items()):
-        reg = regime(next(k for k in shard if label(k) == fam), *ceil.of("bfloat16"))
-        out.append(summarise("tp", data.name, data.name, fam, reg, pairs,
-                             "TP-N shard shapes from the full shapes (own efficiency at the shard's bytes/flops)"))
+    out = []
+    by_fam: dict[str, list[dict[str, Any]]] = {}
+    for k in preferred(kern):
+        if family(k["kernel"]) in AXES:
+            by_fam.setdefault(label(k), []).append(k)
+    for fam_label, pts in sorted(by_fam.items()):
+        fam = family(pts[0]["kernel"])
+        full = [p for p in pts if tp_of(p) == 1]
+        shard = [p for p in pts if tp_of(p) > 1]
+        if not full or not shard:
+            continue
+        model = fit_family(fam, full, *ceil.of(pts[0]["dtype"]))
+        pairs = [(k["time_us_p50"], got[0].value, id(k)) for k in shard
+                 for got in [model.time_us(class_key(k), _shape(k, fam), k["bytes"], k["flops"])] if got]
+        out.append(summarise("tp", data.name, data.name, fam_label, regime(shard[0], *ceil.of(shard[0]["dtype"])),
+                             pairs, "TP-N shard shapes from the full shapes' kernel model (at the shard's bytes/flops)"))
+    e2e = calibration_rows(rows_of(data.tables, "e2e"))
+    degrees = sorted({tp_of(r) for r in e2e})
     if 1 not in degrees or len(degrees) < 2:
         out.append(BacktestRow("tp", data.name, data.name, "e2e rank step", "e2e", 0,
                                detail=f"needs e2e rows at TP-1 and TP-N of the same point; this data has tp "
                                       f"{', '.join(map(str, degrees)) or 'none'}"))
         return out
-    one = {**data.tables, "e2e": _only(data.tables["e2e"], [r for r in e2e if tp_of(r) == 1])}
+    model = build(data.tables, data.machine, data.machine, [r for r in e2e if tp_of(r) == 1])
     for n in degrees[1:]:
-        target = replace(data.machine, gpus=n)
-        proj = {e2e_key(p, without=("tp",)): p for p in project(one, data.machine, target)["e2e"].to_pylist()}
         rank, real = [], []
         for m in (r for r in e2e if tp_of(r) == n):
-            p = proj.get(e2e_key(m, without=("tp",)))
-            if not p:
-                continue
+            s = answer(model, query_of(m), config_of(m))
+            key = e2e_key(m, without=("synthetic_accept",))
             if m.get("comm_source") == "measured":   # a real N-GPU run: the whole step, comm included
-                real.append((m["step_ms_p50"], p["step_ms_p50"], *_step_band(p)))
+                real.append((m["step_ms_p50"] + breakdown(m)["comm_ms"], s.step_ms + s.ms["comm"], key))
             else:                                    # one rank on one GPU: its compute, comm left out
-                mc, pc = breakdown(m)["comm_ms"], p["comm_ms"] or 0.0
-                lo, hi = _step_band(p)
-                real_ms = sum(breakdown(m).values()) - mc
-                rank.append((real_ms, p["step_ms_p50"] - pc, lo - pc, hi - pc))
+                rank.append((m["step_ms_p50"], s.step_ms, key))
         out.append(summarise("tp", data.name, data.name, f"e2e TP-{n} rank step", "e2e", rank,
-                             f"TP-{n} rank compute (step without comm) from the TP-1 rows, re-sharded as the "
-                             "projection does"))
+                             f"TP-{n} rank step (without comm) from the step model calibrated on the TP-1 rows, "
+                             f"with the measured TP-{n} shard kernels where there are"))
         if real:
             out.append(summarise("tp", data.name, data.name, f"e2e {n}-GPU step", "e2e", real,
                                  f"a real {n}-GPU run (measured comm) from the 1-GPU rows"))
     return out
-
-
-def unsharded_key(row: dict[str, Any]) -> tuple:
-    """A point's key without what sharding changes (its TP degree and the sharded N)."""
-    return tuple(v for k, v in zip(POINT_KEY, point_key(row)) if k not in ("N", "tp"))
-
-
-def _step_band(p: dict[str, Any]) -> tuple[float, float]:
-    """A projected row's step band, from its tokens/s band."""
-    return p["tokens_per_s"] * p["step_ms_p50"] / p["tokens_per_s_high"], \
-        p["tokens_per_s"] * p["step_ms_p50"] / p["tokens_per_s_low"]
-
-
-def _only(table: pa.Table, rows: list[dict[str, Any]]) -> pa.Table:
-    return pa.Table.from_pylist(rows, schema=table.schema)
 
 
 # -- cross-host ----------------------------------------------------------------------------------
@@ -361,45 +277,58 @@ def cross_host(data: Sequence[Dataset], outside: Sequence[Dataset] = ()) -> list
             tps = {tp_of(r) for r in rows_of(tgt.tables, "e2e")} or {1}
             machine = replace(tgt.machine, gpus=max(tps))   # the target as its e2e rows ran
             proj = project(ref.tables, ref.machine, machine)
-            out += compare(ref.name, tgt.name, proj, tgt.tables, relax_impl=is_outside(tgt.tables))
+            out += compare(ref, tgt, machine, proj, relax_impl=is_outside(tgt.tables))
     return out
 
 
-def compare(ref: str, target: str, proj: dict, meas: dict, relax_impl: bool = False) -> list[BacktestRow]:
+def compare(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bool = False) -> list[BacktestRow]:
     """Projection error per kernel family and for e2e tokens/s, on the points both sides have.
 
     `relax_impl` matches an outside kernel (another implementation) with kdbench's at the same shape."""
     out = []
-    drop = lambda k: k[:1] + k[2:] if relax_impl else k  # noqa: E731  (point_key[1] is impl)
+    at = POINT_KEY.index("impl")
+    drop = lambda k: k[:at] + k[at + 1:] if relax_impl else k  # noqa: E731
     got: dict[tuple, dict[str, Any]] = {}
     for p in preferred(rows_of(proj, "kernels")) if relax_impl else rows_of(proj, "kernels"):
         got.setdefault(drop(point_key(p)), p)
     fams: dict[str, list[Pair]] = {}
     regs: dict[str, str] = {}
-    for m in rows_of(meas, "kernels"):
+    for m in rows_of(tgt.tables, "kernels"):
         p = got.get(drop(point_key(m)))
         if p:
             name = f"{label(p)} vs {m['impl']}" if relax_impl and p["impl"] != m["impl"] else label(m)
-            fams.setdefault(name, []).append((m["time_us_p50"], p["time_us_p50"], p["time_us_low"], p["time_us_high"]))
+            fams.setdefault(name, []).append((m["time_us_p50"], p["time_us_p50"], id(m)))
             regs[name] = p["regime"] or "-"
     detail = "outside figures of another implementation: the gap is kdbench's kernel against theirs, " \
              "not only projection error" if relax_impl else "projected from the reference's own run"
-    out += [summarise("cross-host", ref, target, f, regs[f], v, detail) for f, v in sorted(fams.items())]
-    # an outside serving figure states no tree budget or acceptance: it meets the fastest projected
-    # row of the same config, depth, TP degree and concurrency
-    key = (lambda e: e2e_key(e, without=("budget", "context", "synthetic_accept"))) if relax_impl else e2e_key
-    got_e: dict[tuple, dict[str, Any]] = {}
-    for e in rows_of(proj, "e2e"):
-        if key(e) not in got_e or e["tokens_per_s"] > got_e[key(e)]["tokens_per_s"]:
-            got_e[key(e)] = e
-    pairs = [(m["tokens_per_s"], p["tokens_per_s"], p["tokens_per_s_low"], p["tokens_per_s_high"])
-             for m in rows_of(meas, "e2e") if m["tokens_per_s"]
-             for p in [got_e.get(key(m))] if p]
+    out += [summarise("cross-host", ref.name, tgt.name, f, regs[f], v, detail) for f, v in sorted(fams.items())]
+    pairs = _e2e_pairs(ref, tgt, machine, proj, relax_impl)
     what = "config, layers, tp, concurrency" + ("" if relax_impl else ", budget, acceptance")
-    out.append(summarise("cross-host", ref, target, "e2e tokens/s", "e2e", pairs,
-                         (f"{detail}; each outside row against the fastest projected row of the same {what}"
-                          if relax_impl else detail) if pairs else
-                         f"no e2e point of the target matches a projected one ({what})"))
+    out.append(summarise("cross-host", ref.name, tgt.name, "e2e tokens/s", "e2e", pairs,
+                         (f"{detail}; each outside row against the step model at its configuration (the "
+                          "reference's budget, its fastest measured acceptance)" if relax_impl else detail)
+                         if pairs else f"no e2e point of the target matches a projected one ({what})"))
+    return out
+
+
+def _e2e_pairs(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bool) -> list[Pair]:
+    """(measured, projected, group) tokens/s of the target's e2e rows."""
+    if not relax_impl:
+        got = {e2e_key(e): e for e in rows_of(proj, "e2e")}
+        return [(m["tokens_per_s"], p["tokens_per_s"], e2e_key(m)) for m in rows_of(tgt.tables, "e2e")
+                if m["tokens_per_s"] for p in [got.get(e2e_key(m))] if p]
+    # an outside serving figure states no tree budget or acceptance: the step model answers it at the
+    # reference's budget and each of its measured acceptances, and the fastest stands for it
+    model = build(ref.tables, ref.machine, machine)
+    levels = calibration_rows(rows_of(ref.tables, "e2e"))
+    out: list[Pair] = []
+    for m in rows_of(tgt.tables, "e2e"):
+        cands = [r for r in levels if r.get("layers") == m.get("layers")]
+        if not m["tokens_per_s"] or not cands:
+            continue
+        best = max(answer(model, replace(query_of(r), tp=tp_of(m), concurrency=m["concurrency"]),
+                          config_of(r)).tokens_per_s for r in cands)
+        out.append((m["tokens_per_s"], best, e2e_key(m)))
     return out
 
 
@@ -427,18 +356,22 @@ def store_backtest(store: Store, rows: Iterable[BacktestRow]) -> None:
 
 def stored_backtest(store: Store) -> list[BacktestRow]:
     """The backtest rows `kdbench backtest` (or the flow) stored last; empty when never run."""
-    return [BacktestRow(**r) for r in store.get_json(STORED) or []]
-
+    return [BacktestRow(**{**r, "ratios": tuple(r.get("ratios", ())), "groups": tuple(r.get("groups", ()))})
+            for r in store.get_json(STORED) or []]
 
 
 def refresh(store: Store, inv: Inventory, reference: str) -> dict[str, str]:
-    """Store what the notes read and never compute: a projection from `reference` of every inventory
-    host without a measured run, and the backtests. Returns the hosts that could not be projected, and why."""
+    """Store what the notes read and never compute: the backtests, then (with their evidence for the
+    bands) a projection from `reference` of every inventory host without a measured run and every
+    host's what-if grid. Returns the hosts that could not be projected, and why."""
+    rows = backtests_of(store, inv)
+    store_backtest(store, rows)
     failed = {}
     for host in unmeasured_hosts(store, inv):
         try:
-            project_host(store, inv, host, reference)
+            project_host(store, inv, host, reference, evidence=rows)
         except (ProjectionError, StoreError) as e:
             failed[host] = str(e)
-    store_backtest(store, backtests_of(store, inv))
+    if rows:
+        store_grids(store, inv, reference, rows)
     return failed

@@ -44,6 +44,7 @@ from flows import backtest
 from flows import deploy as deploy_mod
 from flows import notes as notes_mod
 from flows import reference as references
+from flows import whatif
 from flows.inventory import Host, Inventory, host_path, load_host, load_inventory, now, retire, update_host
 from flows.projection import ProjectionError
 from flows.progress import Forward, log_line
@@ -298,16 +299,29 @@ def ingest(store: Store, host: str, run_id: str, pulled: Pulled) -> RunInfo | No
     return info
 
 
+@task(name="project", cache_policy=NONE)
+def project_task(store_root: str, hosts_dir: str, target: str, reference: str = "h200") -> str:
+    """references.project_host for the flows (store and inventory rebuilt from paths), with the bands
+    from the backtests the store holds."""
+    store = Store(store_root)
+    return references.project_host(store, load_inventory(Path(hosts_dir)), target, reference,
+                                   evidence=backtest.stored_backtest(store))
+
+
 @task(name="notes", cache_policy=NONE)
 def write_notes(store: Store, settings: Settings, subject: str,
                 hosts: Sequence[str] = ()) -> tuple[list[str], str | None]:
-    """Refresh the stored backtests, render the fleet notes and commit them (with the YAML of `hosts`
-    when the inventory lives in the same repo); one writer at a time across every process. A host
-    shows the projection its own bench run stored (`kdbench notes` stores one for every unmeasured host)."""
+    """Refresh the stored backtests and what-if grids, render the fleet notes and commit them (with the
+    YAML of `hosts` when the inventory lives in the same repo); one writer at a time across every
+    process. A host shows the projection its own bench run stored (`kdbench notes` stores one for
+    every unmeasured host)."""
     log = get_run_logger()
     with held(NOTES_LIMIT):
         inv = load_inventory(settings.hosts_dir)
-        backtest.store_backtest(store, backtest.backtests_of(store, inv))   # the notes read it, never compute it
+        rows = backtest.backtests_of(store, inv)
+        backtest.store_backtest(store, rows)   # the notes read these, never compute them
+        if rows:
+            whatif.store_grids(store, inv, settings.reference, rows)
         paths = notes_mod.render_notes(store, inv, settings.docs_dir)
         commit = None
         if settings.commit:
@@ -493,7 +507,7 @@ def bench(host: str, suites: list[str] | None = None, profile: str | None = None
                                    detail=_route_unmeasurable(s, h, res))
         if report.route not in REACHED:  # a reachable host keeps its last measured data in the notes
             try:
-                report.projected_run_id = references.project_task(s.artifacts, str(s.hosts_dir), host, reference)
+                report.projected_run_id = project_task(s.artifacts, str(s.hosts_dir), host, reference)
                 report.outcome = "projected"
             except ProjectionError as e:
                 log.error("no projection for %s: %s", host, line(e))

@@ -10,6 +10,7 @@ import typer
 
 from flows.hosts_cli import hosts_app
 from flows.notes_cli import backtest_cmd, import_cmd, notes
+from flows.project_cli import project_cmd
 from flows.sandbox_cli import sandbox_app
 from flows.serve import serve, server
 from flows.store_cli import store_app
@@ -24,6 +25,7 @@ app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(store_app, name="store")
 app.command("notes")(notes)
 app.command("backtest")(backtest_cmd)
+app.command("project")(project_cmd)
 app.command("import")(import_cmd)
 app.command("serve")(serve)
 app.command("server")(server)

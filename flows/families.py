@@ -26,7 +26,8 @@ E2E_KEY = ("config", "layers", "tp", "concurrency", "budget", "context", "synthe
 TERM_FAMILIES = {"verify_ms": ("moe_w4a16", "mla_tree_attention"), "tree_build_ms": ("build_tree",),
                  "accept_ms": ("tree_accept",)}
 # The size axis of each family: what the size backtest holds out.
-SIZE_AXIS = {"moe_w4a16": "M", "mla_tree_attention": "context", "build_tree": "budget", "tree_accept": "budget"}
+SIZE_AXIS = {"moe_w4a16": "M", "mla_tree_attention": "context", "build_tree": "budget", "tree_accept": "budget",
+             "dense_gemm": "M"}
 E2E_CONTEXT = 512   # context of a short-prompt e2e step (prompts of 256-512 tokens plus the new ones)
 
 Row = Mapping[str, Any]

@@ -37,9 +37,9 @@ import pyarrow as pa
 from engine.config import CONFIGS
 from engine.costs import expected_experts
 from engine.schema import MANIFEST, MAX_ROWS, SchemaError, check_values, manifest_bytes, table_bytes, to_table
-from flows.backtest import cost_of
 from flows.families import family
 from flows.inventory import INDEX_PAGE, Interconnect, Inventory, is_page_name
+from flows.kernelfit import cost_of
 from flows.reference import OUTSIDE_ORIGINS, is_outside
 from flows.scrub import leaks
 from flows.store import Store, StoreError, check_name

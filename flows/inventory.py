@@ -65,6 +65,7 @@ class Spec(BaseModel):
     mem_bw_gbps: float = Field(gt=0)
     tflops: dict[str, float]
     sms: int | None = None
+    mem_latency_ns: float | None = Field(default=None, gt=0)   # DRAM load latency: the cross-host carrier's Little's law
     l2_mb: float | None = None
     nvlink_gbps: float | None = None
     pcie_gbps: float | None = None

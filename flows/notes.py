@@ -46,6 +46,8 @@ from flows.projection import TERMS, breakdown
 from flows.reference import is_outside
 from flows.scrub import leaks, md, plain, redact
 from flows.store import Store, StoreError, check_name
+from flows.notes_whatif import WhatIfView, whatif_view
+from flows.whatif import SUITE as WHATIF, stored_whatif
 
 NOISE = 0.05            # smallest change flagged as a regression, on top of the measured p10-p90 spread
 PLATEAU = 0.9           # plateau M: first M reaching this fraction of the best MoE bandwidth
@@ -122,6 +124,7 @@ class HostView:
     missing: str = ""
     outside: list[Run] = field(default_factory=list)       # imported outside figures of this machine
     backtest: list[BacktestRow] = field(default_factory=list)
+    whatif: Run | None = None                               # the stored what-if grid (flows.whatif)
 
     @property
     def kind(self) -> str:
@@ -213,7 +216,8 @@ def readable_references(store: Store) -> dict[str, dict[str, pa.Table]]:
 
 def stored_projection(store: Store, inv: Inventory, name: str) -> Projected | None:
     """The newest projected run the flows stored for a host, with its reference when still present."""
-    runs = [r for r in store.runs(name) if r.source == "projected" and r.status == "complete"]
+    runs = [r for r in store.runs(name) if r.source == "projected" and r.status == "complete"
+            and WHATIF not in r.suites]
     if not runs:
         return None
     run = Run(runs[-1].run_id, store.load(name, runs[-1].run_id))
@@ -240,9 +244,11 @@ def gather(store: Store, inv: Inventory) -> list[HostView]:
     for name in sorted(names):
         host = inv.hosts.get(name)
         spec = inv.specs.get(host.spec) if host else None
+        grid = stored_whatif(store, name)
         try:
             view = HostView(name, host, spec, measured_runs(store, name), outside=outside_runs(store, name),
-                            backtest=backtest)
+                            backtest=backtest,
+                            whatif=Run(grid["runs"].column("run_id")[0].as_py(), grid) if grid else None)
             if not view.measured:
                 view.projection = stored_projection(store, inv, name)
                 if view.projection is None:
@@ -280,6 +286,7 @@ def _cleaned(view: HostView, inv: Inventory) -> HostView:
     """Views are gathered from raw stored tables (lookups need the real ids), then cleaned for display."""
     view.measured = [_clean_run(r, inv) for r in view.measured]
     view.outside = [_clean_run(r, inv) for r in view.outside]
+    view.whatif = _clean_run(view.whatif, inv) if view.whatif else None
     p = view.projection
     if p:
         records = [{k: plain(v, inv) if isinstance(v, str) else v for k, v in a.items()}
@@ -384,7 +391,8 @@ def model_headline(run: Run, projected: bool) -> str:
         return f"full model: {why}" if why else ""
     parts = []
     for c, e in sorted(rows.items()):
-        band = f" ({fmt(e['tokens_per_s_low'], 0)}-{fmt(e['tokens_per_s_high'], 0)})" if projected else ""
+        band = f" ({band_text(e['tokens_per_s_low'], e['tokens_per_s_high'], 0).replace('unknown', 'band unknown')})" \
+            if projected else ""
         parts.append(f"{fmt(e['tokens_per_s'], 0)} tok/s{band} at C={c} (B={e['budget']}, accept "
                      f"{fmt(e['accept_len_mean'], 2)})")
     e = next(iter(rows.values()))
@@ -418,6 +426,11 @@ def fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{x:,.{digits}f}"
 
 
+def band_text(lo: float | None, hi: float | None, digits: int = 1) -> str:
+    """`lo-hi`, or `unknown` for a band the evidence cannot give (flows.bands)."""
+    return "unknown" if lo is None or hi is None else f"{fmt(lo, digits)}-{fmt(hi, digits)}"
+
+
 def sig(x: float | None) -> str:
     """Four significant digits: ceilings span CPU sandboxes (GB/s) to B300s (TB/s)."""
     return "-" if x is None or not math.isfinite(x) else f"{x:.4g}"
@@ -449,10 +462,12 @@ def headline(view: HostView) -> str:
             parts.append(f"MoE W4A16 decode {bandwidth(gbps)} at M={moe['M']} = {share(per(gbps, copy))} of copy "
                          "bandwidth")
         else:
-            band = [per(moe["bytes"], t * 1e3) if t is not None else math.nan
-                    for t in (moe["time_us_high"], moe["time_us_low"])]
-            parts.append(f"MoE W4A16 decode {bandwidth(gbps, *band) if all(map(math.isfinite, band)) else bandwidth(gbps)}"
-                         f" at M={moe['M']}")
+            if moe["time_us_low"] is None:
+                parts.append(f"MoE W4A16 decode {bandwidth(gbps)} (band unknown) at M={moe['M']}")
+            else:
+                band = [per(moe["bytes"], t * 1e3) for t in (moe["time_us_high"], moe["time_us_low"])]
+                parts.append(f"MoE W4A16 decode {bandwidth(gbps, *band) if all(map(math.isfinite, band)) else bandwidth(gbps)}"
+                             f" at M={moe['M']}")
     outside = outside_headline(view)
     if outside:
         parts.append(outside)
@@ -562,6 +577,7 @@ class E2EView:
     amdahl: str
     busy: Table | None
     largest: str
+    families: Table | None = None   # the step by kernel family, where the rows have that split
 
 
 @dataclass(frozen=True)
@@ -608,6 +624,7 @@ class Page:
     comparison: Comparison | None
     projection: ProjectionView | None
     outside: tuple[OutsideEntry, ...]
+    whatif: WhatIfView | None = None
 
 
 @dataclass(frozen=True)
@@ -713,7 +730,7 @@ def moe_table(view: HostView, run: Run, pts: list[dict[str, Any]], tp: int) -> M
                fmt(per(100 * floor, t) if floor else None),
                f"{k['unique_experts'] if k['unique_experts'] is not None else '-'} ({fmt(k['expected_experts'])})"]
         if projected:
-            row[2:3] = [fmt(t), f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}",
+            row[2:3] = [fmt(t), band_text(k["time_us_low"], k["time_us_high"]),
                         f"{md(k['regime'])} ({md(k['reference_regime'])})"]
         rows.append(row)
     p = pts[0]
@@ -751,7 +768,7 @@ def moe_view(view: HostView, out_dir: Path, rel: str) -> MoeView:
         ms = [k["M"] for k in pts]
         per_token.append((f"{_shape_label(tp)} ({impls_of(pts)})", ms, [per(k["time_us_p50"], k["M"]) for k in pts],
                           ([per(k["time_us_low"], k["M"]) for k in pts], [per(k["time_us_high"], k["M"]) for k in pts])
-                          if projected else None))
+                          if projected and all(k["time_us_low"] is not None for k in pts) else None))
         pct += [(f"{_shape_label(tp)}, % of {label} BW ({sig(bw)} GB/s)", ms,
                  [per(100 * per(k["bytes"], k["time_us_p50"] * 1e3), bw) for k in pts], None)
                 for label, bw in (("copy", copy), ("spec", spec_bw)) if bw]
@@ -788,7 +805,7 @@ def kernels_view(view: HostView, out_dir: Path, rel: str) -> KernelsView | None:
                str(k["context"]) if k["context"] is not None else "-", fmt(t),
                sig(per(k["bytes"], t * 1e3)), sig(per(k["flops"], t * 1e6)), md(k["regime"] or regime(k, copy, mm))]
         if projected:
-            row += [f"{fmt(k['time_us_low'])}-{fmt(k['time_us_high'])}", md(k["reference_regime"] or "-")]
+            row += [band_text(k["time_us_low"], k["time_us_high"]), md(k["reference_regime"] or "-")]
         rows.append(row)
     fams: dict[str, tuple[list[float], list[float]]] = {}
     for k in run.rows("kernels"):
@@ -861,7 +878,7 @@ def accept_view(view: HostView, run: Run, out_dir: Path, rel: str) -> AcceptView
              "-" if e["synthetic_accept"] is None else f"{e['synthetic_accept']:g}", fmt(e["accept_len_mean"], 2),
              str(e["budget"]), fmt(e["tokens_per_s"], 0)]
         if projected:
-            r.append(f"{fmt(e['tokens_per_s_low'], 0)}-{fmt(e['tokens_per_s_high'], 0)}")
+            r.append(band_text(e["tokens_per_s_low"], e["tokens_per_s_high"], 0))
         table.append(r)
     series = []
     for tp, conc in sorted({(tp_of(e), e["concurrency"]) for e in ordered}):
@@ -869,7 +886,7 @@ def accept_view(view: HostView, run: Run, out_dir: Path, rel: str) -> AcceptView
         if line:
             series.append((f"TP-{tp} C={conc}", [e["accept_len_mean"] for e in line], [e["tokens_per_s"] for e in line],
                            ([e["tokens_per_s_low"] for e in line], [e["tokens_per_s_high"] for e in line])
-                           if projected else None))
+                           if projected and all(e["tokens_per_s_low"] is not None for e in line) else None))
     plots.lines(out_dir / "tokens_vs_accept.png", series,
                 f"{view.name}: full model ({ordered[0]['layers']} layers), tokens/s by acceptance",
                 "accepted draft tokens per step (measured; + 1 bonus token)", "tokens/s", logx=False)
@@ -944,11 +961,11 @@ def context_view(view: HostView, run: Run, out_dir: Path, rel: str) -> ContextVi
                  fmt(e["ttft_ms"], 0), fmt(e["step_ms_p50"], 2), fmt(att, 2), fmt(moe, 2),
                  fmt(att / moe, 2) if att is not None and moe else "-"]
             if projected:
-                r.insert(6, f"{fmt(e['tokens_per_s_low'], 0)}-{fmt(e['tokens_per_s_high'], 0)}")
+                r.insert(6, band_text(e["tokens_per_s_low"], e["tokens_per_s_high"], 0))
             table.append(r)
         lines.append((name, [e["context"] for e in rows], [e["tokens_per_s"] for e in rows],
                       ([e["tokens_per_s_low"] for e in rows], [e["tokens_per_s_high"] for e in rows])
-                      if projected else None))
+                      if projected and all(e["tokens_per_s_low"] is not None for e in rows) else None))
         words.append(crossover(name, rows))
     plots.lines(out_dir / "tokens_vs_context.png", lines, f"{view.name}: full model, tokens/s by context ({view.kind})",
                 "context (prompt tokens a sequence)", "tokens/s")
@@ -975,7 +992,7 @@ def e2e_view(view: HostView, out_dir: Path, rel: str) -> E2EView | None:
              str(e["concurrency"]), "-" if e["context"] is None else f"{e['context']:,}", fmt(e["accept_len_mean"], 2),
              fmt(e["tokens_per_s"], 0) if e["status"] == "ok" else md(e["status"]), fmt(e["step_ms_p50"], 2)]
         if projected:
-            r.insert(9, f"{fmt(e['tokens_per_s_low'], 0)}-{fmt(e['tokens_per_s_high'], 0)}")
+            r.insert(9, band_text(e["tokens_per_s_low"], e["tokens_per_s_high"], 0))
         table.append(r)
     rows = [e for e in every if e["status"] == "ok" and e["step_ms_p50"]]   # points with figures
     level = sorted({e["synthetic_accept"] for e in rows if e["synthetic_accept"] is not None})
@@ -983,7 +1000,7 @@ def e2e_view(view: HostView, out_dir: Path, rel: str) -> E2EView | None:
     ref_rows = {}
     if projected and view.projection.ref:
         ref_rows = {e2e_key(e, without=("tp",)): e for e in view.projection.ref.rows("e2e")}
-    split, bars = [], []
+    split, fams, bars = [], [], []
     point_label = point_labels(rows)
     ends = {min(e["concurrency"] for e in rows), max(e["concurrency"] for e in rows)} if rows else set()
     for e in rows:
@@ -991,16 +1008,22 @@ def e2e_view(view: HostView, out_dir: Path, rel: str) -> E2EView | None:
         sides = [(view.projection.ref_host, ref_rows[key])] if key in ref_rows else []
         sides.append((view.name, e))
         for side, row in sides:
-            b = breakdown(row)
-            step = sum(b.values())
             name = point_label(e) + (f" {side}" if projected else "")
-            split.append([name] + [f"{fmt(b[t], 2)} ({share(per(b[t], step))})" for t in TERMS] + [fmt(step, 2)])
+            b = family_split(row)
+            if b is not None:
+                fams.append([name] + [f"{fmt(b[t], 2)} ({share(per(b[t], sum(b.values())))})" for t in FAMILY_TERMS]
+                            + [fmt(sum(b.values()), 2)])
+            if any(row.get(t) is not None for t in TERMS if t != "comm_ms"):   # the stage split
+                b = breakdown(row)
+                step = sum(b.values())
+                split.append([name] + [f"{fmt(b[t], 2)} ({share(per(b[t], step))})" for t in TERMS] + [fmt(step, 2)])
             if e["concurrency"] in ends:  # the plot keeps the extremes readable; the table has every point
-                bars.append((name, b))
+                bars.append((name, family_split(row) or breakdown(row)))
     plots.amdahl(out_dir / "amdahl.png", bars,
                  f"{view.name}: step shares at c={'/'.join(map(str, sorted(ends)))}"
                  + (f", {view.projection.ref_host} vs {view.name}" if projected else ""))
-    busy = [e for e in rows if e.get("kernel_ms") is not None and e.get("outside_ms") is not None]
+    # a profiled decode's figures: a projection's modelled host time is in its family table instead
+    busy = [e for e in rows if e.get("kernel_ms") is not None and e.get("outside_ms") is not None and not projected]
     busy_table = Table.of(["point", "kernels ms", "outside ms", "outside share"],
                           [[point_label(e), fmt(e["kernel_ms"], 2), fmt(e["outside_ms"], 2),
                             share(per(e["outside_ms"], e["kernel_ms"] + e["outside_ms"]))] for e in busy]) \
@@ -1008,14 +1031,28 @@ def e2e_view(view: HostView, out_dir: Path, rel: str) -> E2EView | None:
     largest = ""
     if projected and rows:
         last = rows[-1]
-        b = breakdown(last)
-        top = max(TERMS, key=lambda t: (b[t], t))
+        b = family_split(last) or breakdown(last)
+        top = max(b, key=lambda t: (b[t], t))
         largest = (f"At concurrency {last['concurrency']} the largest term on {view.name} is "
                    f"{top.removesuffix('_ms')} ({share(per(b[top], sum(b.values())))} of the step).")
     return E2EView(source_line(src), suite_method(run, "e2e", projected), projected, ", ".join(f"{x:g}" for x in level) or "-", Table.of(head, table),
                    accept_view(view, run, out_dir, rel), context_view(view, run, out_dir, rel),
                    Table.of(["point"] + [t.removesuffix("_ms") for t in TERMS] + ["step ms"], split),
-                   f"{rel}/amdahl.png", busy_table, largest)
+                   f"{rel}/amdahl.png", busy_table, largest,
+                   Table.of(["point"] + [FAMILY_NAMES[t] for t in FAMILY_TERMS] + ["step ms"], fams) if fams else None)
+
+
+# The per-family split of a step (GPU kernel families, the host time outside them, comm) as columns
+FAMILY_TERMS = ("moe_ms", "attention_ms", "dense_ms", "lm_head_ms", "tree_ms", "gpu_other_ms", "outside_ms", "comm_ms")
+FAMILY_NAMES = {"moe_ms": "moe", "attention_ms": "attention", "dense_ms": "dense", "lm_head_ms": "lm_head",
+                "tree_ms": "tree", "gpu_other_ms": "other kernels", "outside_ms": "host", "comm_ms": "comm"}
+
+
+def family_split(row: dict[str, Any]) -> dict[str, float] | None:
+    """The step by kernel family, host time and comm (ms), where the row has the family split."""
+    if row.get("moe_ms") is None:
+        return None
+    return {t: float(row.get(t) or 0.0) for t in FAMILY_TERMS}
 
 
 def point_labels(rows: Sequence[dict[str, Any]]) -> Callable[[dict[str, Any]], str]:
@@ -1102,23 +1139,40 @@ def assumption_text(a: dict[str, Any]) -> str:
     if what == "target_ceilings":
         return (f"target {a['host']} on {a['gpu']}: the same fractions of its spec sheet give "
                 f"{sig(a['copy_gbps'])} GB/s and {sig(a['matmul_tflops'])} TFLOP/s {a['dtype']}")
-    if what == "kernel_carrier":
-        return ("each kernel point keeps its measured efficiency on the resource that bounds it; the other "
-                "resource borrows its kernel family's efficiency (band: the family's min to max)")
+    if what == "kernel_models":
+        sms = a.get("sms") or [None, None]
+        lat = a.get("latency_ns") or [None, None]
+        little = (f"the bandwidth term by Little's law: bytes in flight per SM x {sms[1]} SMs / latency against "
+                  f"{sms[0]} SMs on the reference" if all(sms) else
+                  "the bandwidth term at the point's share of the copy ceiling (no SM count on a spec sheet)")
+        latency = "" if all(lat) else " (DRAM latency taken equal on both: not on both spec sheets)"
+        return (f"kernel families {', '.join(md(f) for f in a['families'])}: each fitted on the reference's sweep as "
+                f"latency + bytes / bandwidth + flops / compute, times each measured point's own residual "
+                f"(interpolated between measured shapes); on the target the latency is kept, {little}{latency}, "
+                "the compute term by the ratio of the matmul ceilings; tree kernels as measured")
     if what == "kept":
         return (f"kept as measured: a launch floor of up to {a['launch_floor_us']:g} us per kernel, the host-side "
                 f"points ({', '.join(md(h) for h in a['host_side'])}) and latency-bound points (under "
                 f"{a['latency_share']:.0%} of both ceilings; band up to their roofline-scaled time)")
-    if what == "e2e_terms":
-        terms = "; ".join(f"{md(t.removesuffix('_ms'))} like {' + '.join(md(x) for x in f)}"
-                          for t, f in sorted(a["terms"].items()))
-        return (f"e2e, term by term: {terms} at the step's shapes; draft like the {a['draft_ms']}; "
-                f"{', '.join(md(t.removesuffix('_ms')) for t in a['kept'])} kept")
+    if what == "step_model":
+        factors = ", ".join(f"{md(f)} {lo:.2f}" + (f"-{hi:.2f}" if hi - lo >= 0.005 else "")
+                            for f, (lo, hi) in sorted(a.get("factors", {}).items()))
+        how = (f"each family scaled by its in-step/suite factor from the rows' per-family split: {factors or '-'}"
+               if a["split"] else
+               "no per-family split in the reference's rows: every GPU kernel the suite does not explain counts as "
+               "other kernels")
+        notes = "; ".join(md(n) for n in a.get("notes", []))
+        return (f"e2e, by the step model: moe, attention, dense GEMMs, lm-heads and tree kernels from their kernel "
+                f"models at the step's shapes, calibrated on {a['rows']} measured e2e row(s) at TP "
+                f"{'/'.join(map(str, a['tps'])) or '-'} ({how}); other kernels and the host time outside them "
+                f"({a['host_fixed_ms']:.2f} ms + {a['host_per_layer_ms']:.3f} ms a layer) kept as the reference "
+                f"measured them" + (f"; {notes}" if notes else ""))
     if what == "tensor_parallel":
         how = {"same": "measured at that degree", "fit": "re-sharded by a fixed + sharded/TP fit of two measured "
                "degrees", "kernels": "re-sharded by the verify kernels' shard-shape points",
                "bytes": "re-sharded assuming all of verify shards (1/TP; band up to no speed-up): no measurement "
-               "at this degree"}
+               "at this degree", "model": "re-sharded by the step model (each family at the degree's shard shapes, "
+               "the measured shard-shape kernels where the suite has them)"}
         rows = "; ".join(f"{r['points']} row(s) from TP-{r['from_tp']}: {how.get(r['how'], md(r['how']))}"
                          for r in a["rows"])
         return (f"each e2e row is one rank of a TP-{a['target_tp']} deployment on the {a['gpus']} GPU(s); "
@@ -1139,7 +1193,10 @@ def assumption_text(a: dict[str, Any]) -> str:
         return f"{a['rows']} e2e row(s) of the reference have no step split (outside figures): not projected"
     if what == "band":
         n = len(a["references"])
-        return "band: the reference's p10-p90 times" + (f" and the spread across {n} references" if n > 1 else "")
+        return (f"band: from the held-out errors of the carries each figure uses (the backtests: composition, tp, "
+                f"size, cross-host) and the measurement spread; unknown where a carry has fewer than "
+                f"{a.get('min_points', 5)} held-out points" + (f"; widened to the spread across {n} references"
+                                                               if n > 1 else ""))
     return ", ".join(f"{md(k)} {md(v)}" for k, v in sorted(a.items()))
 
 
@@ -1147,8 +1204,8 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
 
-BACKTEST_COLUMNS = ("backtest", "data", "family", "regime", "points", "median error", "worst error", "in band",
-                    "goal")
+BACKTEST_COLUMNS = ("backtest", "data", "family", "regime", "points", "median error", "median |error|",
+                    "worst error", "in band", "half-width", "goal")
 
 
 def backtest_cells(rows: Sequence[BacktestRow]) -> list[list[str]]:
@@ -1162,14 +1219,17 @@ def backtest_cells(rows: Sequence[BacktestRow]) -> list[list[str]]:
             bits = []
             if med_gap is not None:
                 bits.append("median met" if med_gap == 0 else f"median {med_gap:.1%} over")
-            bits.append("band met" if band_gap == 0 else f"band {band_gap:.0%} short")
+            if band_gap is None:
+                bits.append("band unknown (under 5 other points)")
+            else:
+                bits.append("band met" if band_gap == 0 else f"band {band_gap:.0%} short")
             goal = ", ".join(bits)
         data = r.reference if r.reference == r.target else f"{r.reference} -> {r.target}"
+        in_band = "-" if r.in_band is None else f"{r.in_band:.0%}" + (f" ({r.unknown} unknown)" if r.unknown else "")
         out.append([md(r.kind), md(data), md(r.family), md(r.regime), str(r.points), _pct(r.median_error),
-                    _pct(r.worst_error), "-" if r.in_band is None else f"{r.in_band:.0%}", md(goal, cap=400)])
+                    "-" if r.median_abs_error is None else f"{r.median_abs_error:.1%}", _pct(r.worst_error), in_band, "-" if r.half_width is None else f"{r.half_width:.1%}",
+                    md(goal, cap=400)])
     return out
-
-
 
 
 def projection_view(view: HostView) -> ProjectionView:
@@ -1231,7 +1291,7 @@ def page_view(view: HostView, docs_dir: Path) -> Page:
         comm=comm_view(view) if some else None,
         comparison=comparison(view) if view.kind == "measured" else None,
         projection=projection_view(view) if view.kind == "projected" else None,
-        outside=outside_entries(view))
+        outside=outside_entries(view), whatif=whatif_view(view.whatif.tables) if view.whatif else None)
 
 
 def index_view(views: Sequence[HostView]) -> IndexView:

@@ -11,11 +11,11 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
+from flows.emit import Format, console, emit
 from flows.inventory import InventoryError, default_hosts_dir, load_inventory, repo_root
 
-out = Console()
+out = console()
 err = Console(stderr=True)
 
 Artifacts = typer.Option(None, "--artifacts", envvar="KDBENCH_ARTIFACTS", show_default=False,
@@ -72,16 +72,21 @@ def notes(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir
               + (f"; committed {sha[:10]}" if sha else "; nothing to commit" if commit else ""), highlight=False)
 
 
-def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir) -> None:
+def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir,
+                 fmt: Format = typer.Option(Format.table, "--format", help="table, csv or json.")) -> None:
     """Hold-out backtests of the projection on the measured data; prints them and stores them for the notes.
 
-    composition: each e2e step from the kernel points; depth: the full-depth step from shallower runs;
-    size: held-out sizes from smaller ones; tp: a TP-N rank from TP-1; cross-host: each measured host
-    from every other (and imported outside figures).
+    composition: each e2e step from the step model calibrated on the other configurations; depth: the
+    full-depth step from shallower runs; size: held-out sizes from smaller ones; tp: a TP-N rank from
+    TP-1; cross-host: each measured host from every other (and imported outside figures).
 
     Error = predicted / measured - 1, median and worst over the points; "in band" is the share of
-    measured points inside the predicted band; "goal" says by how much a row misses its goal.
+    points inside a band built from the other points' held-out errors (the evidence every projected
+    figure's band comes from), "half-width" that band's median half-width; "goal" says by how much a
+    row misses its goal.
     """
+    from dataclasses import asdict
+
     from flows.backtest import backtests_of, store_backtest
     from flows.notes import BACKTEST_COLUMNS, backtest_cells
     from flows.store import Store
@@ -95,19 +100,18 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
         store_backtest(store, rows)
     except _expected() as e:
         raise _fail(str(e)) from None
-    table = Table(title="projection backtests (predicted / measured - 1)")
-    for col in BACKTEST_COLUMNS:
-        table.add_column(col, overflow="fold",
-                         justify="right" if col in ("points", "median error", "worst error", "in band") else "left")
-    skipped = []
-    for r, cells in zip(rows, backtest_cells(rows)):
+    cells = backtest_cells(rows)
+    for r, c in zip(rows, cells):
         if r.skipped:
-            skipped.append(f"{r.kind} {r.family} ({r.reference}): {r.detail}")
-            cells[-1] = "skipped"
-        table.add_row(*cells)
-    out.print(table)
-    for line in skipped:
-        out.print(f"skipped: {escape(line)}", highlight=False, soft_wrap=True)
+            c[-1] = "skipped"
+    records = [{k: v for k, v in asdict(r).items() if k not in ("ratios", "groups")} for r in rows]
+    out.file.write(emit(records, fmt, "projection backtests (predicted / measured - 1)", cells, BACKTEST_COLUMNS,
+                        right=("points", "median error", "median |error|", "worst error", "in band", "half-width")))
+    if fmt == Format.table:
+        for r in rows:
+            if r.skipped:
+                out.print(f"skipped: {escape(f'{r.kind} {r.family} ({r.reference}): {r.detail}')}",
+                          highlight=False, soft_wrap=True)
 
 
 def import_cmd(file: Path = typer.Argument(..., help="CSV or JSON of kernel points or serving results."),

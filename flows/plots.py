@@ -22,7 +22,10 @@ RC.update({"font.family": "DejaVu Sans", "font.size": 9, "figure.dpi": 100, "sav
            "axes.grid": True, "grid.alpha": 0.3, "path.simplify": False, "svg.hashsalt": "kdbench"})
 SIZE = (6.4, 3.8)
 TERM_COLORS = {"draft_ms": "#4C72B0", "tree_build_ms": "#55A868", "verify_ms": "#C44E52",
-               "accept_ms": "#8172B2", "other_ms": "#937860", "comm_ms": "#DA8BC3"}
+               "accept_ms": "#8172B2", "other_ms": "#937860", "comm_ms": "#DA8BC3",
+               # the per-family split of a step (flows.stepmodel's terms)
+               "moe_ms": "#C44E52", "attention_ms": "#4C72B0", "dense_ms": "#CCB974", "lm_head_ms": "#64B5CD",
+               "tree_ms": "#55A868", "gpu_other_ms": "#937860", "outside_ms": "#8C8C8C"}
 
 
 def _literal(text: str) -> str:
@@ -100,7 +103,7 @@ def amdahl(path: Path, bars: Sequence[tuple[str, dict[str, float]]], title: str)
         ax = fig.add_subplot()
         labels = [_literal(b[0]) for b in bars]
         bottoms = [0.0] * len(bars)
-        for term, color in TERM_COLORS.items():
+        for term, color in ((t, c) for t, c in TERM_COLORS.items() if any(t in b for _, b in bars)):
             shares = [100 * t.get(term, 0.0) / (sum(t.values()) or 1.0) for _, t in bars]
             ax.bar(range(len(bars)), shares, bottom=bottoms, color=color, label=term.removesuffix("_ms"))
             bottoms = [b + s for b, s in zip(bottoms, shares)]

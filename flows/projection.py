@@ -1,120 +1,51 @@
-"""Roofline/Amdahl projection of measured tables onto another machine: a pure function of tables.
+"""Projection of a measured run onto another machine: a pure function of tables.
 
-`project(tables, reference, target)` takes a measured run's tables, the machine they ran on and
-the machine to project onto, and returns projected tables in the kdbench schema; nothing here reads
-or writes the store, talks to Prefect or writes prose. The assumptions travel as data (a list of
-records in every table's provenance, key `assumptions`) that the notes turn into sentences.
+`project(tables, reference, target, evidence)` takes a measured run's tables, the machine they ran
+on, the machine to project onto and the stored backtests (the evidence for the bands), and returns
+projected tables in the kdbench schema; nothing here reads or writes the store, talks to Prefect or
+writes prose. The assumptions travel as data (a list of records in every table's provenance, key
+`assumptions`) that the notes turn into sentences.
 
-The carrier from one machine to another is efficiency: how close each measured kernel point came
-to the reference's own ceilings. The ceilings are the reference's measured copy bandwidth and
-matmul throughput (runs.copy_gbps / matmul_tflops); the target's ceilings are its spec-sheet
-peaks scaled by the same measured-to-spec fraction, so projecting a machine onto itself gives
-back its measurements. Host-side work (a CPU kernel, Python, launch floors) does not scale with
-the GPU and is kept. An e2e row is one rank of a TP-N deployment: the target runs TP = its GPU
-count, a row of another degree is re-sharded, and communication is 2 all-reduces per layer times
-the layers over the target's own links (alpha-beta). Every figure carries a low-high band, and every
-record says `source = projected`.
+Kernel points of the families kdbench models are carried by their kernel models (flows.kernelfit:
+latency kept, bandwidth by Little's law, compute by the ratio of the ceilings); the ceilings are the
+reference's measured copy bandwidth and matmul throughput and the same fractions of the target's
+spec sheet, so projecting a machine onto itself gives back its measurements. Other points keep
+their own efficiency on the resource that bounds them (`project_point`); host-side work (a CPU
+kernel, Python) is kept. Each measured e2e row becomes the step model's answer (flows.stepmodel) at
+its configuration on one rank of a TP-(target GPUs) deployment, comm over the target's own links,
+tokens a step as the row measured them. A figure's band comes from the held-out errors of the carries
+it used (flows.bands): unknown where the evidence is too thin. Every record says `source = projected`.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-import pyarrow as pa
-
-from engine.config import CONFIGS
 from engine.schema import provenance, to_table
-from flows.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, TERM_FAMILIES, bound,
-                            e2e_key, family, host_side, point_key, preferred, regime, step_shapes, tp_of)
-from flows.inventory import Spec
+from flows.bands import MIN_POINTS, Band, combine, step_band
+from flows.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError, Tables,
+                            allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
+from flows.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, bound, e2e_key, family,
+                            host_side, label, point_key, regime, tp_of)
+from flows.kernelfit import AXES, class_key
+from flows.stepmodel import COLUMN, FAMILIES, Model, answer, build, calibration_rows, config_of, query_of, step_spread
+
+__all__ = ["ALLREDUCES_PER_LAYER", "Machine", "ProjectionError", "Tables", "allreduce_us", "assumptions",
+           "breakdown", "has_split", "measured_ceilings", "project", "project_point", "rows_of"]
 
 TERMS = ("draft_ms", "tree_build_ms", "verify_ms", "accept_ms", "other_ms", "comm_ms")
 # What launching a GPU kernel costs on the host, kept as is on any target (capped at half a point's time).
 LAUNCH_FLOOR_US = 3.0
-# All-reduce constants used when the reference has no comm measurement of its own.
-DEFAULT_ALPHA_US = {"nvlink": 8.0, "pcie": 15.0}
-DEFAULT_LINK_EFF = (0.6, 0.75, 0.9)   # low, central, high fraction of the link's spec bandwidth
-ALLREDUCES_PER_LAYER = 2              # after attention and after the MoE
 # The reference's skipped e2e points named in the assumptions (each reason cut): a bounded provenance.
 NOT_MEASURED_LISTED, SKIP_REASON_CHARS = 20, 300
-
-
-class ProjectionError(Exception):
-    """A projection that cannot be made; the message names the host, spec or reference."""
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What a projection needs of a machine: its spec sheet, GPU count and links."""
-
-    name: str
-    spec: Spec
-    gpus: int
-    interconnect: str
-
-
-Tables = dict[str, pa.Table]
-
-
-def rows_of(tables: Tables, name: str) -> list[dict[str, Any]]:
-    return tables[name].to_pylist() if name in tables else []
 
 
 def assumptions(tables: Tables) -> list[dict[str, Any]]:
     """The assumption records a projection stored with its tables."""
     return list(provenance(tables["runs"]).get("assumptions", []))
-
-
-# -- ceilings -----------------------------------------------------------------------------------
-
-# engine.bench writes torch dtype names; spec sheets key their peaks by the short names
-DTYPE_KEYS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
-              "float8_e4m3fn": "fp8", "int8": "int8"}
-
-
-def peak_tflops(spec: Spec, dtype: str) -> float:
-    """Dense peak of the kernel's math dtype; mixed formats (w4a16) and integers run on bf16 units."""
-    for key in (DTYPE_KEYS.get(dtype, dtype), "bf16", "fp16"):
-        if spec.tflops.get(key):
-            return spec.tflops[key]
-    return max(spec.tflops.values())
-
-
-@dataclass(frozen=True)
-class Ceilings:
-    """Attainable GB/s and TFLOP/s of a device: its spec peaks times the fractions a measurement reached."""
-
-    spec: Spec
-    bw_frac: float
-    fl_frac: float
-    mm_dtype: str          # the dtype of the measured matmul ceiling
-
-    @property
-    def gbps(self) -> float:
-        return self.spec.mem_bw_gbps * self.bw_frac
-
-    def tflops(self, dtype: str | None = None) -> float:
-        return peak_tflops(self.spec, dtype or self.mm_dtype) * self.fl_frac
-
-    def of(self, dtype: str) -> tuple[float, float]:
-        return self.gbps, self.tflops(dtype)
-
-    def carried_to(self, spec: Spec) -> "Ceilings":
-        """The same fractions of another spec sheet: how the reference's ceilings travel."""
-        return Ceilings(spec, self.bw_frac, self.fl_frac, self.mm_dtype)
-
-
-def measured_ceilings(runs: pa.Table, spec: Spec) -> Ceilings:
-    """runs.copy_gbps / matmul_tflops against the spec (the spec itself when not measured)."""
-    rows = runs.to_pylist()
-    copy = max((r["copy_gbps"] for r in rows if r["copy_gbps"]), default=None)
-    mm = max((r["matmul_tflops"] for r in rows if r["matmul_tflops"]), default=None)
-    mm_dtype = "float32" if any(r["device"] == "cpu" for r in rows) else "bfloat16"   # as engine.bench times it
-    return Ceilings(spec, copy / spec.mem_bw_gbps if copy else 1.0,
-                    mm / peak_tflops(spec, mm_dtype) if mm else 1.0, mm_dtype)
 
 
 # -- kernel points ------------------------------------------------------------------------------
@@ -192,68 +123,49 @@ def project_point(row: dict[str, Any], ref: tuple[float, float], tgt: tuple[floa
             "regime": reg, "reference_regime": which}
 
 
-def project_kernels(rows: list[dict[str, Any]], ref_c: Ceilings, tgt_c: Ceilings, target: Machine,
-                    run_id: str, ref_run_id: str) -> list[dict[str, Any]]:
-    fams = family_effs(rows, ref_c)
+def _spread(row: dict[str, Any]) -> float:
+    """Half the point's p10-p90 spread, relative to its median."""
+    lo, hi = row.get("time_us_p10"), row.get("time_us_p90")
+    return (hi - lo) / 2 / row["time_us_p50"] if lo and hi else 0.0
+
+
+def project_kernels(rows: list[dict[str, Any]], model: Model, evidence: Sequence[Any], run_id: str,
+                    ref_run_id: str) -> list[dict[str, Any]]:
+    """Every measured point on the target: by its family's kernel model where kdbench has one (its band
+    from the cross-host evidence of that family; the p10-p90 spread on the reference's own machine),
+    else by `project_point`."""
+    effs = family_effs(rows, model.ref_c)
     out = []
     for r in rows:
-        p = project_point(r, ref_c.of(r["dtype"]), tgt_c.of(r["dtype"]),
-                          fams.get((r["kernel"], r["impl"], r["dtype"])))
+        fam = model.fams.get(family(r["kernel"]))
+        got = None if fam is None or host_side(r) else fam.time_us(
+            class_key(r), {a: float(r.get(a) or 0) for a in AXES[fam.family]}, r["bytes"], r["flops"],
+            model.carry)
+        if got is None:
+            p = project_point(r, model.ref_c.of(r["dtype"]), model.tgt_c.of(r["dtype"]),
+                              effs.get((r["kernel"], r["impl"], r["dtype"])))
+        else:
+            t = got[0].value
+            if model.cross_host:
+                rows_ = [e for e in evidence if e.kind == "cross-host" and e.family.startswith(label(r))]
+                ratios = tuple(x for e in rows_ for x in e.ratios)
+                band = combine({f"cross-host {label(r)}": ((ratios, tuple(map(str, range(len(ratios))))), 1.0)},
+                               _spread(r))
+            else:
+                band = Band(1 - _spread(r), 1 + _spread(r))
+            p = {"time_us_p50": t, "time_us_low": t * band.low if band.known else None,
+                 "time_us_high": t * band.high if band.known else None,
+                 "regime": regime({**r, "time_us_p50": t}, *model.tgt_c.of(r["dtype"])) if not host_side(r) else HOST,
+                 "reference_regime": regime(r, *model.ref_c.of(r["dtype"]))}
         t = p["time_us_p50"]
         out.append({**r, **p, "run_id": run_id, "source": "projected", "reference_run_id": ref_run_id,
-                    "device": "cpu" if target.spec.arch == "cpu" else "cuda",
+                    "device": "cpu" if model.target.spec.arch == "cpu" else "cuda",
                     "time_us_p10": None, "time_us_p90": None,
                     "achieved_gbps": r["bytes"] / (t * 1e3), "achieved_tflops": r["flops"] / (t * 1e6)})
     return out
 
 
 # -- communication ----------------------------------------------------------------------------
-
-def link_gbps(spec: Spec, interconnect: str) -> float | None:
-    if interconnect == "nvlink":
-        return spec.nvlink_gbps or spec.pcie_gbps
-    if interconnect == "pcie":
-        return spec.pcie_gbps
-    return None
-
-
-def allreduce_us(nbytes: float, n: int, alpha_us: float, bw_gbps: float) -> float:
-    """Ring all-reduce: latency + 2(n-1)/n x bytes / link bandwidth; free on one GPU."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    return alpha_us + 2 * (n - 1) / n * nbytes / (bw_gbps * 1e3)
-
-
-@dataclass(frozen=True)
-class CommModel:
-    alpha_us: float
-    effs: tuple[float, float, float]   # low, central, high fraction of the link bandwidth
-    link_gbps: float | None
-    n: int
-    calibrated: bool
-
-    def time_us(self, nbytes: float, which: int = 1, n: int | None = None) -> float:
-        n = self.n if n is None else n
-        if n <= 1 or not self.link_gbps:
-            return 0.0
-        return allreduce_us(nbytes, n, self.alpha_us, self.link_gbps * self.effs[which])
-
-
-def comm_model(comm_rows: list[dict[str, Any]], ref: Machine, target: Machine) -> CommModel:
-    """Alpha and link efficiency from the reference's all-reduce measurements, else defaults."""
-    link = link_gbps(target.spec, target.interconnect)
-    rows = [r for r in comm_rows
-            if r["op"] == "all_reduce" and r["status"] == "ok" and r["time_us_p50"] and r["busbw_gbps"]]
-    ref_link = link_gbps(ref.spec, ref.interconnect)
-    if rows and ref_link:
-        small = min(r["bytes"] for r in rows)
-        alpha = min(r["time_us_p50"] for r in rows if r["bytes"] == small)
-        effs = sorted(min(r["busbw_gbps"] / ref_link, 1.0) for r in rows if r["bytes"] >= 1 << 24) \
-            or sorted(min(r["busbw_gbps"] / ref_link, 1.0) for r in rows)
-        return CommModel(alpha, (effs[0], effs[-1], effs[-1]), link, target.gpus, True)
-    alpha = DEFAULT_ALPHA_US.get(target.interconnect, DEFAULT_ALPHA_US["pcie"])
-    return CommModel(alpha, DEFAULT_LINK_EFF, link, target.gpus, False)
-
 
 def project_comm(model: CommModel, run_id: str) -> list[dict[str, Any]]:
     if model.n <= 1 or not model.link_gbps:
@@ -269,14 +181,6 @@ def project_comm(model: CommModel, run_id: str) -> list[dict[str, Any]]:
                     "time_us_p50": t, "algbw_gbps": alg, "busbw_gbps": alg * 2 * (model.n - 1) / model.n,
                     "status": "ok", "source": "projected"})
     return out
-
-
-def step_comm_us(row: dict[str, Any], model: CommModel, n: int, which: int = 1) -> float:
-    """One step's all-reduces: 2 per layer of tokens x hidden x 2 bytes, over a ring of n ranks."""
-    cfg = CONFIGS.get(row["config"].split("/")[0], CONFIGS["k2"])
-    tokens = row["concurrency"] * (row["budget"] + 1)
-    count = ALLREDUCES_PER_LAYER * (row["layers"] or cfg.layers)
-    return count * model.time_us(tokens * cfg.hidden * 2, which, n)
 
 
 # -- end to end ---------------------------------------------------------------------------------
@@ -295,132 +199,39 @@ def has_split(row: dict[str, Any]) -> bool:
     return any(row.get(t) is not None for t in TERMS)
 
 
-def nearest(rows: list[dict[str, Any]], want: dict[str, float]) -> dict[str, Any] | None:
-    def dist(r: dict[str, Any]) -> tuple:
-        return (sum(abs((r.get(k) or 0) - v) / max(v, 1) for k, v in want.items()), point_key(r))
-    return min(rows, key=dist) if rows else None
-
-
-def _picked(rows: list[dict[str, Any]], fam: str, shape: dict[str, float], tp: int) -> dict[str, Any] | None:
-    """The point of a family nearest to a step's shape, at TP degree tp (full shapes when absent)."""
-    cands = [r for r in rows if family(r["kernel"]) == fam and not host_side(r)]
-    at_tp = [r for r in cands if tp_of(r) == tp] or [r for r in cands if tp_of(r) == 1]
-    return nearest(preferred(at_tp), shape)
-
-
-def term_ratios(kern: list[dict[str, Any]], proj: list[dict[str, Any]],
-                e2e: dict[str, Any]) -> dict[str, tuple[float, float, float]]:
-    """Projected/measured time ratio (central, low, high) of each GPU term of one e2e point."""
-    by_key = {point_key(m): p for m, p in zip(kern, proj)}
-    shapes = step_shapes(e2e)
-    out: dict[str, tuple[float, float, float]] = {}
-    for term, families in TERM_FAMILIES.items():
-        picked = [m for fam in families for m in [_picked(kern, fam, shapes[fam], tp_of(e2e))] if m]
-        if picked:
-            ref_t = sum(m["time_us_p50"] for m in picked)
-            out[term] = tuple(sum(by_key[point_key(m)][k] for m in picked) / ref_t
-                              for k in ("time_us_p50", "time_us_low", "time_us_high"))
-    # the block drafter streams its weights for a few tokens: it scales like the memory-bound points
-    mem = sorted((p["time_us_p50"] / m["time_us_p50"], p["time_us_low"] / m["time_us_p50"],
-                  p["time_us_high"] / m["time_us_p50"])
-                 for m, p in zip(kern, proj) if p["reference_regime"] == MEMORY)
-    if mem:
-        c = statistics.median(x[0] for x in mem)
-        out["draft_ms"] = (c, min(x[1] for x in mem), max(x[2] for x in mem))
-    return out
-
-
-def reshard_ratio(group: list[dict[str, Any]], src: dict[str, Any], tp: int,
-                  kern: list[dict[str, Any]]) -> tuple[tuple[float, float, float], str]:
-    """verify on one rank at TP `tp` over verify at the source row's TP (central, low, high) and how.
-
-    fit: two measured degrees of the same point give verify = fixed + sharded / tp;
-    kernels: the verify families' points at both shard shapes; bytes: everything shards (1/N),
-    with the band reaching no speed-up at all.
-    """
-    src_tp = tp_of(src)
-    others = [r for r in group if tp_of(r) != src_tp and r.get("verify_ms")]
-    if others and src.get("verify_ms"):
-        o = others[0]
-        a, b = 1 / src_tp, 1 / tp_of(o)
-        sharded = (src["verify_ms"] - o["verify_ms"]) / (a - b)
-        fixed = src["verify_ms"] - sharded * a
-        r = max(fixed + sharded / tp, 0.0) / src["verify_ms"]
-        return (r, r, r), "fit"
-    shapes = step_shapes(src)
-    num = den = 0.0
-    for fam in TERM_FAMILIES["verify_ms"]:
-        here = [k for k in kern if family(k["kernel"]) == fam and tp_of(k) == src_tp]
-        there = [k for k in kern if family(k["kernel"]) == fam and tp_of(k) == tp]
-        a, b = nearest(preferred(here), shapes[fam]), nearest(preferred(there), shapes[fam])
-        if a and b:
-            den, num = den + a["time_us_p50"], num + b["time_us_p50"]
-    if den:
-        r = num / den
-        return (r, r, r), "kernels"
-    r = src_tp / tp
-    return (r, min(r, 1.0), max(r, 1.0)), "bytes"
-
-
-def choose_rows(rows: list[dict[str, Any]], tp: int) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
-    """Per e2e point, the row a TP-`tp` target is carried from (same degree if measured), with its group."""
+def choose_rows(rows: list[dict[str, Any]], tp: int) -> list[dict[str, Any]]:
+    """Per e2e point (any TP degree), the row a TP-`tp` target is carried from: the nearest degree."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(e2e_key(r, without=("tp",)), []).append(r)
-    out = []
-    for key in sorted(groups, key=repr):
-        g = groups[key]
-        out.append((min(g, key=lambda r: (abs(tp_of(r) - tp), -tp_of(r))), g))
-    return out
+    return [min(groups[k], key=lambda r: (abs(tp_of(r) - tp), -tp_of(r))) for k in sorted(groups, key=repr)]
 
 
-def project_e2e(rows: list[dict[str, Any]], kern: list[dict[str, Any]], proj: list[dict[str, Any]],
-                at_ref: CommModel, comm: CommModel, target: Machine, run_id: str,
+def project_e2e(tables: Tables, model: Model, evidence: Sequence[Any], run_id: str,
                 ref_run_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Carry each measured step over term by term, as one rank of a TP-(target GPUs) deployment.
-
-    GPU terms scale by their kernels' ratios, verify is re-sharded when the row ran at another
-    degree, host terms are kept, comm is modelled over the target's links (scaled by how the
-    reference's own measured comm compared with the model). Returns the rows and, per source
-    degree, how it was carried.
-    """
-    tp = max(target.gpus, 1)
+    """Each measured point as one rank of a TP-(target GPUs) deployment, by the step model. Returns the
+    rows and, per source degree, how it was carried."""
+    tp = max(model.target.gpus, 1)
+    rows = calibration_rows(rows_of(tables, "e2e"))
+    spread = step_spread(rows)
     out, how = [], {}
-    for r, group in choose_rows([r for r in rows if has_split(r) and r["step_ms_p50"]], tp):
-        ratios = term_ratios(kern, proj, r)
-        shard, way = ((1.0, 1.0, 1.0), "same") if tp_of(r) == tp else reshard_ratio(group, r, tp, kern)
-        entry = how.setdefault(tp_of(r), {"from_tp": tp_of(r), "how": way, "points": 0})
+    for r in choose_rows([r for r in rows if has_split(r)], tp):
+        s = answer(model, replace(query_of(r), tp=tp), config_of(r))
+        entry = how.setdefault(tp_of(r), {"from_tp": tp_of(r), "how": "same" if tp_of(r) == tp else "model",
+                                          "points": 0})
         entry["points"] += 1
-        terms = breakdown(r)
-        cols, lo_sum, hi_sum = {}, 0.0, 0.0
-        for term, ms in terms.items():
-            if term == "comm_ms":
-                measured = r.get("comm_source") == "measured" or (r.get("comm_source") is None and ms > 0)
-                modelled = step_comm_us(r, at_ref, tp_of(r)) / 1e3
-                fix = ms / modelled if measured and ms > 0 and modelled > 0 and tp_of(r) == tp else 1.0
-                c, lo, hi = (fix * step_comm_us(r, comm, tp, i) / 1e3 for i in (1, 2, 0))
-            elif term == "verify_ms":
-                c, lo, hi = (ms * x * s for x, s in zip(ratios.get(term, (1.0, 1.0, 1.0)), shard))
-            elif term in ratios:
-                c, lo, hi = (ms * x for x in ratios[term])
-            else:
-                c = lo = hi = ms
-            cols[term] = c
-            lo_sum += lo
-            hi_sum += hi
-        step = sum(cols.values())
-        # tokens/s = tokens per step x concurrency / step time; the reference's measured tokens/s
-        # already holds its tokens per step (accepted drafts + 1 bonus), so only the step changes
-        per_step = (r["accept_len_mean"] or 0.0) + 1.0
-        tps = r["tokens_per_s"] * sum(terms.values()) / step if r["tokens_per_s"] else \
-            per_step * r["concurrency"] / step * 1e3
-        scale = tps * step
+        # tokens a step as the reference measured them (accepted drafts + 1 bonus, its decode's tail included)
+        per_step = r["tokens_per_s"] * (r["step_ms_p50"] + (r.get("comm_ms") or 0.0)) / 1e3 / r["concurrency"] \
+            if r["tokens_per_s"] else (r["accept_len_mean"] or 0.0) + 1.0
+        tps = r["concurrency"] * per_step / (s.step_ms + s.ms["comm"]) * 1e3
+        low, high = step_band(s, evidence, spread).of_rate(tps)
         out.append({**{k: r.get(k) for k in ("config", "layers", "concurrency", "budget", "context", "synthetic_accept",
                                               "accept_len_mean", "weight_sets", "vocab")},
-                    **cols, "tp": tp, "comm_source": "modelled" if tp > 1 else "none",
-                    "run_id": run_id, "device": "cpu" if target.spec.arch == "cpu" else "cuda",
-                    "step_ms_p50": step, "tokens_per_s": tps,
-                    "tokens_per_s_low": scale / hi_sum, "tokens_per_s_high": scale / lo_sum,
+                    **{COLUMN[f]: s.ms[f] for f in FAMILIES}, "comm_ms": s.ms["comm"],
+                    "kernel_ms": s.step_ms - s.ms["host"], "outside_ms": s.ms["host"],
+                    "tp": tp, "comm_source": "modelled" if tp > 1 else "none",
+                    "run_id": run_id, "device": "cpu" if model.target.spec.arch == "cpu" else "cuda",
+                    "step_ms_p50": s.step_ms, "tokens_per_s": tps, "tokens_per_s_low": low, "tokens_per_s_high": high,
                     "source": "projected", "reference_run_id": ref_run_id})
     return out, [how[k] for k in sorted(how)]
 
@@ -435,60 +246,62 @@ def projected_run_id(target: str, ref_run_id: str) -> str:
 @dataclass
 class _Parts:
     run_id: str
-    kern: list[dict[str, Any]]
+    model: Model
     kproj: list[dict[str, Any]]
     eproj: list[dict[str, Any]]
     tp_how: list[dict[str, Any]]
     comm: CommModel
-    ref_c: Ceilings
-    tgt_c: Ceilings
     skipped_e2e: int
     not_measured: list[dict[str, Any]]   # the reference's skipped e2e points: nothing to carry
 
 
-def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str) -> _Parts:
+def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str, evidence: Sequence[Any]) -> _Parts:
     if "runs" not in tables:
         raise ProjectionError(f"reference from {ref.name} has no runs table")
     ref_run_id = tables["runs"].column("run_id")[0].as_py()
-    ref_c = measured_ceilings(tables["runs"], ref.spec)
-    tgt_c = ref_c.carried_to(target.spec)
+    model = build(tables, ref, target)
     kern = [r for r in rows_of(tables, "kernels") if r["source"] == "measured"]
-    kproj = project_kernels(kern, ref_c, tgt_c, target, run_id, ref_run_id)
-    comm_rows = rows_of(tables, "comm")
-    comm = comm_model(comm_rows, ref, target)
-    at_ref = comm_model(comm_rows, ref, ref)
+    kproj = project_kernels(kern, model, evidence, run_id, ref_run_id)
+    comm = comm_model(rows_of(tables, "comm"), ref, target)
+    eproj, how = project_e2e(tables, model, evidence, run_id, ref_run_id)
     e2e = [r for r in rows_of(tables, "e2e") if r["source"] == "measured"]
     ok = [r for r in e2e if r["status"] == "ok"]
-    eproj, how = project_e2e(ok, kern, kproj, at_ref, comm, target, run_id, ref_run_id)
     skipped = [{"tp": tp_of(r), **{k: r[k] for k in ("concurrency", "budget", "context", "synthetic_accept")},
                 "reason": (r["skip_reason"] or "-")[:SKIP_REASON_CHARS]} for r in e2e if r["status"] != "ok"]
-    return _Parts(run_id, kern, kproj, eproj, how, comm, ref_c, tgt_c,
-                  sum(1 for r in ok if not has_split(r)), skipped)
+    return _Parts(run_id, model, kproj, eproj, how, comm, sum(1 for r in ok if not has_split(r)), skipped)
+
+
+def _widen(low: float | None, high: float | None, other: dict[str, Any], central: str, lo_k: str,
+           hi_k: str) -> tuple[float | None, float | None]:
+    """A band widened to take in another reference's figure and band (an unknown band stays unknown)."""
+    if low is None or high is None:
+        return low, high
+    return (min(low, other[lo_k] if other[lo_k] is not None else low, other[central]),
+            max(high, other[hi_k] if other[hi_k] is not None else high, other[central]))
 
 
 def project(tables: Tables, ref: Machine, target: Machine,
-            also: Sequence[tuple[Tables, Machine]] = ()) -> Tables:
-    """The reference's measured tables carried onto `target`; further references widen the band."""
+            also: Sequence[tuple[Tables, Machine]] = (), evidence: Sequence[Any] = ()) -> Tables:
+    """The reference's measured tables carried onto `target`, bands from `evidence` (stored backtest
+    rows); further references widen the band."""
     ref_runs = tables["runs"].to_pylist() if "runs" in tables else []
     if not ref_runs:
         raise ProjectionError(f"reference from {ref.name} has no runs rows")
     ref_run_id = ref_runs[0]["run_id"]
     run_id = projected_run_id(target.name, ref_run_id)
-    main = _parts(tables, ref, target, run_id)
-    extras = [_parts(t, m, target, run_id) for t, m in also]
-    for x in extras:
+    main = _parts(tables, ref, target, run_id, evidence)
+    for x in (_parts(t, m, target, run_id, evidence) for t, m in also):
         other = {point_key(p): p for p in x.kproj}
         for p in main.kproj:
-            o = other.get(point_key(p))
-            if o:
-                p["time_us_low"] = min(p["time_us_low"], o["time_us_low"], o["time_us_p50"])
-                p["time_us_high"] = max(p["time_us_high"], o["time_us_high"], o["time_us_p50"])
+            if (o := other.get(point_key(p))):
+                p["time_us_low"], p["time_us_high"] = _widen(p["time_us_low"], p["time_us_high"], o, "time_us_p50",
+                                                             "time_us_low", "time_us_high")
         other = {e2e_key(e): e for e in x.eproj}
         for e in main.eproj:
-            o = other.get(e2e_key(e))
-            if o:
-                e["tokens_per_s_low"] = min(e["tokens_per_s_low"], o["tokens_per_s_low"], o["tokens_per_s"])
-                e["tokens_per_s_high"] = max(e["tokens_per_s_high"], o["tokens_per_s_high"], o["tokens_per_s"])
+            if (o := other.get(e2e_key(e))):
+                e["tokens_per_s_low"], e["tokens_per_s_high"] = _widen(
+                    e["tokens_per_s_low"], e["tokens_per_s_high"], o, "tokens_per_s", "tokens_per_s_low",
+                    "tokens_per_s_high")
     refs = [ref_run_id] + [t["runs"].column("run_id")[0].as_py() for t, _ in also]
     records = assumption_records(ref, target, ref_run_id, main, refs)
     prov_ref = provenance(tables["runs"])
@@ -510,7 +323,7 @@ def project(tables: Tables, ref: Machine, target: Machine,
         runs.append({"run_id": run_id, "host": target.name, "suite": suite, "profile": r["profile"],
                      "status": status, "gpu_name": target.spec.gpu, "gpu_count": target.gpus,
                      "arch": target.spec.arch, "device": device, "started_at": r["started_at"],
-                     "ended_at": r["ended_at"], "copy_gbps": main.tgt_c.gbps, "matmul_tflops": main.tgt_c.tflops(),
+                     "ended_at": r["ended_at"], "copy_gbps": main.model.tgt_c.gbps, "matmul_tflops": main.model.tgt_c.tflops(),
                      "points": n, "source": "projected",
                      "note": json.dumps({"reference_run_id": ref_run_id, "spec": spec_figs,
                                          "assumptions": records}, sort_keys=True)})
@@ -527,20 +340,23 @@ def project(tables: Tables, ref: Machine, target: Machine,
 def assumption_records(ref: Machine, target: Machine, ref_run_id: str, p: _Parts,
                        refs: list[str]) -> list[dict[str, Any]]:
     """What the projection assumed, as records (`what` names the kind); the notes word them."""
-    dt = DTYPE_KEYS.get(p.ref_c.mm_dtype, p.ref_c.mm_dtype)
+    ref_c, tgt_c, cal = p.model.ref_c, p.model.tgt_c, p.model.cal
+    dt = DTYPE_KEYS.get(ref_c.mm_dtype, ref_c.mm_dtype)
     recs: list[dict[str, Any]] = [
         {"what": "reference_ceilings", "host": ref.name, "run_id": ref_run_id, "gpu": ref.spec.gpu,
-         "copy_gbps": p.ref_c.gbps, "copy_fraction": p.ref_c.bw_frac, "spec_gbps": ref.spec.mem_bw_gbps,
-         "matmul_tflops": p.ref_c.tflops(), "matmul_fraction": p.ref_c.fl_frac,
-         "spec_tflops": peak_tflops(ref.spec, p.ref_c.mm_dtype), "dtype": dt},
-        {"what": "target_ceilings", "host": target.name, "gpu": target.spec.gpu, "copy_gbps": p.tgt_c.gbps,
-         "matmul_tflops": p.tgt_c.tflops(), "dtype": dt},
-        {"what": "kernel_carrier", "bound": "own efficiency", "other": "family efficiency",
-         "band": "family min to max"},
+         "copy_gbps": ref_c.gbps, "copy_fraction": ref_c.bw_frac, "spec_gbps": ref.spec.mem_bw_gbps,
+         "matmul_tflops": ref_c.tflops(), "matmul_fraction": ref_c.fl_frac,
+         "spec_tflops": peak_tflops(ref.spec, ref_c.mm_dtype), "dtype": dt},
+        {"what": "target_ceilings", "host": target.name, "gpu": target.spec.gpu, "copy_gbps": tgt_c.gbps,
+         "matmul_tflops": tgt_c.tflops(), "dtype": dt},
+        {"what": "kernel_models", "families": sorted(p.model.fams), "sms": [ref.spec.sms, target.spec.sms],
+         "latency_ns": [ref.spec.mem_latency_ns, target.spec.mem_latency_ns]},
         {"what": "kept", "launch_floor_us": LAUNCH_FLOOR_US, "latency_share": LATENCY_SHARE,
          "host_side": sorted({"*/cpu"} | {f"{k}/{i}" for k, i in HOST_SIDE})},
-        {"what": "e2e_terms", "terms": {t: list(f) for t, f in TERM_FAMILIES.items()},
-         "draft_ms": "memory-bound kernel points", "kept": ["other_ms"]},
+        {"what": "step_model", "rows": cal.rows, "split": cal.split, "tps": list(cal.tps),
+         "factors": {f: [min(v for _, v in s), max(v for _, v in s)] for f, s in sorted(cal.factors.items())},
+         "host_fixed_ms": cal.host_fixed_ms, "host_per_layer_ms": cal.host_per_layer_ms,
+         "notes": list(p.model.notes)},
         {"what": "tensor_parallel", "target_tp": max(target.gpus, 1), "gpus": target.gpus, "rows": p.tp_how},
     ]
     if target.gpus > 1:
@@ -554,5 +370,5 @@ def assumption_records(ref: Machine, target: Machine, ref_run_id: str, p: _Parts
     if p.not_measured:
         recs.append({"what": "e2e_not_measured", "count": len(p.not_measured),
                      "points": p.not_measured[:NOT_MEASURED_LISTED]})
-    recs.append({"what": "band", "references": refs})
+    recs.append({"what": "band", "references": refs, "min_points": MIN_POINTS})
     return recs

@@ -9,14 +9,10 @@ Prefect task wraps it for the flows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
-from prefect import task
-from prefect.cache_policies import NONE
-
 from engine.schema import SchemaError, check_values, provenance
-from flows.inventory import Inventory, load_inventory
+from flows.inventory import Inventory
 from flows.projection import Machine, ProjectionError, Tables, project
 from flows.store import Store, StoreError
 
@@ -119,11 +115,12 @@ def measured_datasets(store: Store, inv: Inventory, outside: bool = False) -> li
 
 
 def project_host(store: Store, inv: Inventory, target: str, reference: str = "h200",
-                 also: Sequence[str] = ()) -> str:
-    """Project `target` from the reference (plus `also` for the band), store it, return the run id."""
+                 also: Sequence[str] = (), evidence: Sequence[object] = ()) -> str:
+    """Project `target` from the reference (plus `also` for the band; `evidence`: the stored backtest
+    rows the bands come from), store it, return the run id."""
     ref, *more = [load_reference(store, inv, name) for name in (reference, *also)]
     tables = project(ref.tables, ref.machine, machine_of(inv, target),
-                     also=[(d.tables, d.machine) for d in more])
+                     also=[(d.tables, d.machine) for d in more], evidence=evidence)
     run_id = tables["runs"].column("run_id")[0].as_py()
     store.put_tables(target, run_id, tables)
     return run_id
@@ -133,10 +130,3 @@ def unmeasured_hosts(store: Store, inv: Inventory) -> list[str]:
     """Inventory hosts without a measured run of kdbench's own: the ones the notes show projected."""
     measured = {d.host for d in measured_datasets(store, inv)}
     return sorted(h for h in inv.hosts if h not in measured)
-
-
-@task(name="project", cache_policy=NONE)
-def project_task(store_root: str, hosts_dir: str, target: str, reference: str = "h200") -> str:
-    """Prefect wrapper of project_host for the flows (store and inventory rebuilt from paths)."""
-    return project_host(Store(store_root), load_inventory(Path(hosts_dir)), target, reference)
-

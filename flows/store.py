@@ -34,12 +34,15 @@ import logging
 import re
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ValidationError
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as ds
 
 from engine.files import atomic_write_bytes
 from engine.schema import (MAX_FILE_BYTES, MAX_ROWS, SCHEMAS, TABLES, SchemaError, check_run_tables, parse_table,
@@ -356,6 +359,7 @@ class Store:
         validated): a run still being ingested, or one whose ingest was cut short, never shows up here
         (a raw glob over <table>/ may see it).
         """
+        import pyarrow.dataset as ds   # pulls in pandas: loaded by the one method that needs it
         if table not in TABLES:
             raise StoreError(f"unknown table {table!r}; tables are {', '.join(TABLES)}")
         schema = _dataset_schema(table)

@@ -187,6 +187,8 @@ def test_tokens_per_s_against_accepted_length_at_full_depth(tmp_path: Path, inv:
     _accept_sweep(ref)
     store = Store(str(tmp_path / "art"))
     store.ingest("h200", "h200-model-1", ref)
+    from flows.backtest import refresh
+    refresh(store, inv, "h200")           # what `kdbench notes` stores first (the what-if grid among it)
     notes = _render(store, inv, tmp_path / "docs")
     page = (notes / "h200.md").read_text()
     sect = _section(page, "Tokens/s against accepted length")
@@ -207,7 +209,8 @@ def test_tokens_per_s_against_accepted_length_at_full_depth(tmp_path: Path, inv:
             want = [e for e in e2e if e["layers"] == FULL and e["tp"] == int(tp) and e["concurrency"] == int(c)
                     and e["synthetic_accept"] == 0.9]
             assert line[-1][6] == f"{max(e['tokens_per_s'] for e in want):,.0f}"
-    # the new tables and plot are byte-identical when another process renders them
+    # the new tables and plot (and the what-if grid, stored again) are byte-identical when another process
+    # refreshes and renders them
     cli = subprocess.run([sys.executable, "-c", "from flows.cli import app; app()", "notes", "--artifacts", store.base,
                           "--hosts", str(inv.dir), "--docs", str(tmp_path / "cli")],
                          env={**os.environ, "PYTHONHASHSEED": "999"}, capture_output=True, text=True, timeout=120,

@@ -14,7 +14,7 @@ from flows.inventory import Inventory
 from flows.projection import Machine, allreduce_us, assumptions, project, project_point
 from flows.reference import load_reference, measured_datasets, project_host
 from flows.store import Store
-from test_projection_synth import write_run
+from test_projection_synth import evidence, write_run
 
 
 
@@ -61,9 +61,14 @@ def test_allreduce_alpha_beta_by_hand() -> None:
     assert allreduce_us(1e9, 1, 10.0, 100.0) == 0.0
 
 
+def _evidence(spread: float) -> list:
+    return evidence(spread, carries=(("composition", "e2e step"), ("size", "moe_w4a16/triton"),
+                                     ("size", "mla_tree_attention/triton")))
+
+
 def test_self_projection_returns_measurements_inside_band(tmp_path: Path, inv: Inventory) -> None:
     ref = load_reference(_store(tmp_path), inv, "h200")
-    proj = project(ref.tables, ref.machine, Machine("h200", ref.machine.spec, 1, "none"))
+    proj = project(ref.tables, ref.machine, Machine("h200", ref.machine.spec, 1, "none"), evidence=_evidence(0.05))
     meas = {(k["kernel"], k["impl"], k["M"], k["batch"], k["budget"]): k for k in ref.tables["kernels"].to_pylist()}
     for p in proj["kernels"].to_pylist():
         m = meas[(p["kernel"], p["impl"], p["M"], p["batch"], p["budget"])]
@@ -71,22 +76,31 @@ def test_self_projection_returns_measurements_inside_band(tmp_path: Path, inv: I
         assert p["time_us_p50"] == pytest.approx(m["time_us_p50"], rel=1e-9)
         assert p["time_us_low"] < p["time_us_high"]      # a band, never a bare number
     for p, m in zip(proj["e2e"].to_pylist(), ref.tables["e2e"].to_pylist()):
+        # the step model recomposes the synthetic steps from kernel models it fitted (this fixture's e2e
+        # rows use the nearest kernel points, so not exactly); the band from the evidence holds them
         assert p["tokens_per_s_low"] <= m["tokens_per_s"] <= p["tokens_per_s_high"]
-        assert p["tokens_per_s"] == pytest.approx(m["tokens_per_s"], rel=1e-9)
+        assert p["tokens_per_s"] == pytest.approx(m["tokens_per_s"], rel=0.05)
 
 
-def test_band_widens_with_reference_spread(tmp_path: Path, inv: Inventory) -> None:
-    b300 = Machine("b300", inv.specs["b300-sxm"], 8, "nvlink")
+def test_band_widens_with_reference_spread_and_with_wider_evidence(tmp_path: Path, inv: Inventory) -> None:
+    same = Machine("h200b", inv.specs["h200-sxm"], 1, "nvlink")
 
-    def widths(spread: float) -> tuple[list[float], list[float]]:
-        ref = load_reference(_store(tmp_path / str(spread), spread), inv, "h200")
-        t = project(ref.tables, ref.machine, b300)
+    def widths(spread: float, evidence: float) -> tuple[list[float], list[float]]:
+        ref = load_reference(_store(tmp_path / f"{spread}-{evidence}", spread), inv, "h200")
+        t = project(ref.tables, ref.machine, same, evidence=_evidence(evidence))
         return ([(k["time_us_high"] - k["time_us_low"]) / k["time_us_p50"] for k in t["kernels"].to_pylist()],
                 [(e["tokens_per_s_high"] - e["tokens_per_s_low"]) / e["tokens_per_s"] for e in t["e2e"].to_pylist()])
 
-    narrow, wide = widths(0.02), widths(0.10)
-    for a, b in zip(narrow[0] + narrow[1], wide[0] + wide[1]):
-        assert b > a
+    narrow, wide_kernels, wide_e2e = widths(0.02, 0.05), widths(0.10, 0.05), widths(0.02, 0.20)
+    assert all(b > a for a, b in zip(narrow[0], wide_kernels[0]))     # kernel points: their p10-p90 spread
+    assert all(b > a for a, b in zip(narrow[1], wide_e2e[1]))         # e2e: the composition carry's evidence
+
+
+def test_cross_host_bands_are_unknown_without_cross_host_evidence(tmp_path: Path, inv: Inventory) -> None:
+    ref = load_reference(_store(tmp_path), inv, "h200")
+    t = project(ref.tables, ref.machine, Machine("b300", inv.specs["b300-sxm"], 8, "nvlink"), evidence=_evidence(0.05))
+    assert all(e["tokens_per_s_low"] is None and e["tokens_per_s_high"] is None for e in t["e2e"].to_pylist())
+    assert all(k["time_us_low"] is None for k in t["kernels"].to_pylist() if k["regime"] not in ("host",))
 
 
 def test_projected_records(tmp_path: Path, inv: Inventory) -> None:
@@ -103,7 +117,8 @@ def test_projected_records(tmp_path: Path, inv: Inventory) -> None:
     prov = provenance(tables["runs"])
     assert prov["spec"]["mem_bw_gbps"] == inv.specs["rtx-pro-6000-server"].mem_bw_gbps
     recs = {a["what"]: a for a in assumptions(tables)}
-    assert recs["tensor_parallel"]["target_tp"] == 8 and recs["tensor_parallel"]["rows"][0]["how"] == "bytes"
+    assert recs["tensor_parallel"]["target_tp"] == 8 and recs["tensor_parallel"]["rows"][0]["how"] == "model"
+    assert recs["step_model"]["rows"] == 3 and not recs["step_model"]["split"]
     assert recs["comm"]["interconnect"] == "pcie" and recs["comm"]["link_gbps"] == 64
     assert prov["assumptions"] == assumptions(tables)
     kern = tables["kernels"].to_pylist()
@@ -118,9 +133,9 @@ def test_projected_records(tmp_path: Path, inv: Inventory) -> None:
            for k in store.reference("h200")["kernels"].to_pylist()}
     assert all(k["time_us_p50"] > ref[(k["kernel"], k["impl"], k["M"], k["batch"], k["budget"])]
                for k in kern if k["regime"] not in ("host", "latency"))
-    # latency-bound points (tree kernels far under both ceilings) keep their time
-    assert all(k["time_us_p50"] == ref[(k["kernel"], k["impl"], k["M"], k["batch"], k["budget"])]
-               for k in kern if k["regime"] == "latency")
+    # the tree kernels (latency-bound, far under both ceilings) keep their time
+    assert all(k["time_us_p50"] == pytest.approx(ref[(k["kernel"], k["impl"], k["M"], k["batch"], k["budget"])])
+               for k in kern if k["kernel"] in ("build_tree", "tree_accept"))
 
 
 def test_backtest_two_measured_hosts(tmp_path: Path, inv: Inventory) -> None:
@@ -132,8 +147,11 @@ def test_backtest_two_measured_hosts(tmp_path: Path, inv: Inventory) -> None:
     pairs = {(r.reference, r.target) for r in rows}
     assert pairs == {("h200", "pro6000"), ("pro6000", "h200")}      # never a host from itself
     moe = next(r for r in rows if (r.reference, r.target, r.family) == ("h200", "pro6000", "moe_w4a16/triton"))
-    # both synthetic hosts follow one roofline model, so carrying efficiencies across must land close
-    assert moe.points == 10 and abs(moe.median_error) < 0.05
+    # both synthetic hosts keep one share of their bandwidth at each M; the carrier keeps the bytes in
+    # flight per SM instead, so on the PRO 6000's 188 SMs the small sizes come out faster than this data
+    assert moe.points == 10 and len(moe.ratios) == 10 and moe.median_error < 0
+    back = next(r for r in rows if (r.reference, r.target, r.family) == ("pro6000", "h200", "moe_w4a16/triton"))
+    assert back.median_error > 0                       # and the other way round, slower
     assert any(r.family == "e2e tokens/s" and r.target == "pro6000" and r.reference == "h200" for r in rows)
 
 
@@ -143,10 +161,10 @@ def test_second_reference_widens_the_band(tmp_path: Path, inv: Inventory) -> Non
                                              started_at="2026-10-22T00:00:00Z"))
     ref_a = load_reference(store, inv, "h200")                      # the committed reference set
     ref_b = dataclasses.replace(ref_a, run_id="h200-2", tables=store.load("h200", "h200-2"))
-    b300 = Machine("b300", inv.specs["b300-sxm"], 8, "nvlink")
-    one = project(ref_a.tables, ref_a.machine, b300)["kernels"].to_pylist()
-    both = project(ref_a.tables, ref_a.machine, b300, also=[(ref_b.tables, ref_b.machine)])["kernels"].to_pylist()
-    alone = {point_key(p): p for p in project(ref_b.tables, ref_b.machine, b300)["kernels"].to_pylist()}
+    other = Machine("h200b", inv.specs["h200-sxm"], 8, "nvlink")     # same spec: bands from the p10-p90 spread
+    one = project(ref_a.tables, ref_a.machine, other)["kernels"].to_pylist()
+    both = project(ref_a.tables, ref_a.machine, other, also=[(ref_b.tables, ref_b.machine)])["kernels"].to_pylist()
+    alone = {point_key(p): p for p in project(ref_b.tables, ref_b.machine, other)["kernels"].to_pylist()}
     for a, b in zip(one, both):
         assert a["time_us_p50"] == b["time_us_p50"]                  # the central value stays the first's
         assert b["time_us_low"] <= a["time_us_low"] and b["time_us_high"] >= a["time_us_high"]

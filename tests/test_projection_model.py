@@ -3,6 +3,7 @@ own links, full-model headlines; and schema-2 files still read."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,8 +15,9 @@ from flows.inventory import Inventory
 from flows.notes import gather, headline, moe_points, render_notes
 from flows.projection import ALLREDUCES_PER_LAYER, Machine, allreduce_us, assumptions, project
 from flows.reference import is_outside, load_reference, machine_of
+from flows.stepmodel import answer, build, query_of
 from flows.store import Store
-from test_projection_synth import FULL, model_run
+from test_projection_synth import FULL, evidence, model_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,8 +34,8 @@ def _e2e(tables: dict, **want: object) -> list[dict]:
 
 def test_same_tp_over_each_targets_own_links(store: Store, inv: Inventory) -> None:
     ref = load_reference(store, inv, "h200")
-    pro = project(ref.tables, ref.machine, machine_of(inv, "pro6000"))
-    b300 = project(ref.tables, ref.machine, machine_of(inv, "b300"))
+    pro = project(ref.tables, ref.machine, machine_of(inv, "pro6000"), evidence=evidence(0.1))
+    b300 = project(ref.tables, ref.machine, machine_of(inv, "b300"), evidence=evidence(0.1))
     for tables, link in ((pro, "pcie"), (b300, "nvlink")):
         rows = tables["e2e"].to_pylist()
         assert rows and {e["tp"] for e in rows} == {8} and {e["comm_source"] for e in rows} == {"modelled"}
@@ -55,12 +57,14 @@ def test_resharded_when_the_target_has_another_gpu_count(store: Store, inv: Inve
     ref = load_reference(store, inv, "h200")
     two = project(ref.tables, ref.machine, Machine("h200x2", inv.specs["h200-sxm"], 2, "nvlink"))
     tp = {a["what"]: a for a in assumptions(two)}["tensor_parallel"]
-    assert tp["target_tp"] == 2 and [r["how"] for r in tp["rows"]] == ["fit"]   # TP-1 and TP-8 rows measured
-    meas = {(e["layers"], e["concurrency"], e["tp"]): e["verify_ms"] for e in ref.tables["e2e"].to_pylist()}
+    # the TP-1 rows are the nearest degree: re-sharded by the step model
+    assert tp["target_tp"] == 2 and [r["how"] for r in tp["rows"]] == ["model"]
+    meas = {(e["layers"], e["concurrency"], e["tp"]): e for e in ref.tables["e2e"].to_pylist()}
     for e in two["e2e"].to_pylist():
         assert e["tp"] == 2
-        # a TP-2 rank's verify lies between the measured TP-1 and TP-8 ranks'
-        assert meas[(e["layers"], e["concurrency"], 8)] < e["verify_ms"] < meas[(e["layers"], e["concurrency"], 1)]
+        # a TP-2 rank's MoE lies between the measured TP-1 and TP-8 ranks' steps' worth of experts
+        lo, hi = meas[(e["layers"], e["concurrency"], 8)], meas[(e["layers"], e["concurrency"], 1)]
+        assert lo["step_ms_p50"] - lo["comm_ms"] < e["step_ms_p50"] < hi["step_ms_p50"]
 
 
 def test_headlines_show_full_model_tokens_per_s(store: Store, inv: Inventory, tmp_path: Path) -> None:
@@ -83,7 +87,9 @@ def test_depth_and_tp_backtests_run_when_the_rows_exist(store: Store, inv: Inven
     ref = load_reference(store, inv, "h200")
     [d] = depth(ref)
     # the synthetic step is linear in depth, so the line through 2, 6, 10 layers lands on 61
-    assert d.points == 4 and abs(d.median_error) < 1e-6 and d.in_band == 1.0
+    assert d.points == 4 and abs(d.median_error) < 1e-6
+    # four points: each one's band would rest on the other three, under five, so it is unknown
+    assert d.in_band is None and d.unknown == 4
     rows = {r.family: r for r in tensor_parallel(ref)}
     assert rows["moe_w4a16/triton"].points == 10                      # shard points from full ones
     rank = rows["e2e TP-8 rank step"]
@@ -112,8 +118,9 @@ def test_full_model_projection_meets_the_published_serving_figures(store: Store,
     assert is_outside(pub.tables) and not is_outside(ref.tables)
     rows = {r.family: r for r in cross_host([ref], [pub])}
     e2e = rows["e2e tokens/s"]
-    # the published C=1 row (61 layers, TP-8) meets the projected pro6000 C=1 row; C=10 has no twin
-    assert e2e.points == 1 and "fastest projected row" in e2e.detail
-    proj = project(ref.tables, ref.machine, machine_of(inv, "pro6000"))
-    best = max(_e2e(proj, layers=FULL, concurrency=1), key=lambda e: e["tokens_per_s"])
-    assert 1 + e2e.median_error == pytest.approx(best["tokens_per_s"] / 138.7)
+    # both published rows (61 layers, TP-8, C = 1 and 10) meet the step model at their configuration
+    assert e2e.points == 2 and "the step model at its configuration" in e2e.detail
+    model = build(ref.tables, ref.machine, dataclasses.replace(machine_of(inv, "pro6000"), gpus=8))
+    full = [e for e in ref.tables["e2e"].to_pylist() if e["layers"] == FULL]
+    best = max(answer(model, dataclasses.replace(query_of(e), tp=8, concurrency=10)).tokens_per_s for e in full)
+    assert e2e.ratios[1] == pytest.approx(517.0 / best)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from engine.schema import read_table, to_table, write_table
+from flows.backtest import BacktestRow
 
 EXPERT_BYTES = 24.77e6
 H, I, E, TOPK, LAYERS = 7168, 2048, 384, 8, 4
@@ -116,6 +117,17 @@ def write_run(out: Path, host: str = "h200", run_id: str = "h200-20261020-1", bw
     return out
 
 
+def evidence(spread: float, n: int = 8,
+             carries: tuple[tuple[str, str], ...] = (("composition", "e2e step"), ("size", "moe_w4a16/triton"),
+                                                     ("size", "mla_tree_attention/triton"), ("tp", "e2e TP-8 rank step"),
+                                                     ("cross-host", "e2e tokens/s"))) -> list[BacktestRow]:
+    """Stored-backtest rows whose carries missed by up to +-spread on n held-out points each: what a
+    projection's bands are built from (flows.bands)."""
+    ratios = tuple(1 + spread * (2 * i / (n - 1) - 1) for i in range(n))
+    return [BacktestRow(kind, "h200", "h200", fam, "e2e", n, ratios=ratios, groups=tuple(map(str, range(n))))
+            for kind, fam in carries]
+
+
 def test_synthetic_run_is_schema_valid(tmp_path: Path) -> None:
     out = write_run(tmp_path / "ref")
     for name in ("runs", "kernels", "e2e", "comm"):
@@ -174,11 +186,16 @@ def model_run(out: Path, run_id: str = "h200-model-1", bw: float = 4300.0, tflop
                              "accept_len_mean": accept, "tokens_per_s": (accept + 1) * conc / step * 1e3,
                              "steps": 32, "step_ms_p50": step, "step_ms_p99": step * 1.05, **terms,
                              "kernel_ms": step * 0.93, "outside_ms": step * 0.07, "source": "measured"})
-    base = {"run_id": run_id, "host": "h200", "profile": "full", "status": "complete", "gpu_name": "H200",
-            "gpu_count": 1, "arch": "sm_90", "device": "cuda", "started_at": prov["started_at"],
+    return write_suites(out, prov, kern, rows, bw, tflops)
+
+
+def write_suites(out: Path, prov: dict, kern: list[dict], e2e: list[dict], bw: float, tflops: float) -> Path:
+    """A complete one-GPU H200 run of the kernels and e2e suites (its runs table from `prov`) into `out`."""
+    base = {"run_id": prov["run_id"], "host": prov["host"], "profile": "full", "status": "complete",
+            "gpu_name": "H200", "gpu_count": 1, "arch": "sm_90", "device": "cuda", "started_at": prov["started_at"],
             "ended_at": prov["started_at"], "copy_gbps": bw, "matmul_tflops": tflops, "source": "measured"}
     write_table(out, to_table("kernels", kern, prov))
-    write_table(out, to_table("e2e", rows, prov))
+    write_table(out, to_table("e2e", e2e, prov))
     write_table(out, to_table("runs", [{**base, "suite": s, "points": n}
-                                       for s, n in (("kernels", len(kern)), ("e2e", len(rows)))], prov))
+                                       for s, n in (("kernels", len(kern)), ("e2e", len(e2e)))], prov))
     return out

@@ -1,0 +1,121 @@
+"""The step model (flows.stepmodel) on a synthetic k2-mini reference built by hand: it composes measured
+steps back, finds the in-step factors, labels what it interpolates and extrapolates, checks memory,
+and its kernel models and carrier follow their formulas."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import stepmodel_synth as synth
+from engine.config import K2, make_config
+from flows.carrier import Side, memory_gbps
+from flows.inventory import Inventory
+from flows.kernelfit import fit_family
+from flows.reference import load_reference, machine_of
+from flows.stepmodel import Query, answer, build, query_of
+from flows.stepmemory import RESERVE_BYTES, cache_bytes, memory, weight_bytes
+from flows.store import Store
+
+
+@pytest.fixture()
+def ref(tmp_path: Path, inv: Inventory):
+    synth.mini_run(tmp_path / "art" / "reference" / "h200")
+    return load_reference(Store(str(tmp_path / "art")), inv, "h200")
+
+
+def test_the_composed_step_reproduces_every_measured_row(ref) -> None:
+    model = build(ref.tables, ref.machine, ref.machine)
+    assert model.cal.split and model.cal.rows == len(synth.E2E)
+    for fam, factor in synth.FACTORS.items():           # each family's in-step / suite factor, found
+        assert {round(v, 9) for _, v in model.cal.factors[fam]} == {factor}
+    for r in ref.tables["e2e"].to_pylist():
+        s = answer(model, query_of(r))
+        assert s.step_ms == pytest.approx(r["step_ms_p50"], rel=1e-9)
+        for fam in ("moe", "attention", "dense", "lm_head", "tree", "gpu_other"):
+            assert s.ms[fam] == pytest.approx(r[f"{fam}_ms"], rel=1e-9, abs=1e-12)
+        assert s.ms["host"] == pytest.approx(r["outside_ms"], rel=1e-9)
+        assert s.extrapolated == () and s.carries == ("composition",)
+
+
+def test_a_composed_step_answers_from_the_other_families_not_its_own_row(ref) -> None:
+    # calibrating without a configuration's rows still lands on them: the families follow the kernel
+    # models and the factors and gpu_other lines the other rows
+    rows = ref.tables["e2e"].to_pylist()
+    held = [r for r in rows if (r["tp"], r["concurrency"], r["budget"]) == (2, 4, 16)]
+    model = build(ref.tables, ref.machine, ref.machine, [r for r in rows if r not in held])
+    for r in held:
+        assert answer(model, query_of(r)).step_ms == pytest.approx(r["step_ms_p50"], rel=1e-9)
+
+
+def test_leaving_the_measured_shapes_is_labelled(ref) -> None:
+    model = build(ref.tables, ref.machine, ref.machine)
+    inside = answer(model, Query(1, 4, 16, 512, 2.5))          # M = 68 between 64 and 128, context 512
+    assert "moe M" in inside.interpolated and "attention context" in inside.interpolated
+    assert not {"moe M", "attention context"} & set(inside.extrapolated)
+    assert "moe in-step factor context" in inside.extrapolated    # the factor was measured at contexts <= 256
+    far = answer(model, Query(1, 64, 16, 8192, 2.5))          # M = 1088 > 512, context 8192 > 1024
+    assert {"moe M", "attention context", "attention batch"} <= set(far.extrapolated)
+    assert {"size:moe", "size:attention"} <= set(far.carries)
+    wide = answer(model, Query(4, 4, 16, 256, 2.5))           # TP-4: no rows, no points at that degree
+    assert "tp" in wide.carries and any("re-sharded from TP-2" in n for n in wide.notes)
+    # beyond the sweep the kernel model still follows its fit: the MoE grows with M, never flat
+    assert far.ms["moe"] > answer(model, Query(1, 16, 16, 1024, 2.5)).ms["moe"]
+
+
+def test_tokens_per_s_and_the_memory_check_by_hand(ref, inv: Inventory) -> None:
+    model = build(ref.tables, ref.machine, ref.machine)
+    s = answer(model, Query(2, 4, 16, 256, 2.5, layers=3))
+    assert s.tokens_per_s == pytest.approx(4 * 3.5 / (s.step_ms + s.ms["comm"]) * 1e3)
+    assert s.ms["comm"] > 0 and answer(model, Query(1, 4, 16, 256, 2.5)).ms["comm"] == 0
+    cfg = make_config("k2-mini")
+    # the latent cache: (512 + 64) x 2 bytes a token a layer, for the context and the tree's B + 1 tokens
+    assert cache_bytes(K2, 1, 32768, 16, 61) == pytest.approx(576 * 2 * 61 * (32768 + 17))
+    assert s.memory.parts["cache"] == pytest.approx(cache_bytes(cfg, 4, 256, 16, 3))
+    assert s.memory.parts["weights"] == pytest.approx(weight_bytes(cfg, 2, 3)) and s.memory.fits
+    assert s.memory.parts["working"] > RESERVE_BYTES
+    # one TP-8 rank of K2 holds ~80 GB of weights: it fits an H200 at 8k context, not 64 sequences at 128k
+    h200 = inv.specs["h200-sxm"]
+    assert 70e9 < weight_bytes(K2, 8, 61) < 90e9
+    assert memory(K2, Query(8, 16, 16, 8192, 4.0), h200).fits
+    big = memory(K2, Query(8, 64, 16, 131072, 4.0), h200)
+    assert not big.fits and big.why_not().startswith("does not fit: needs") and "cache" in big.why_not()
+
+
+def test_the_kernel_model_extrapolates_along_its_roofline(ref) -> None:
+    pts = [k for k in ref.tables["kernels"].to_pylist() if k["kernel"] == "moe_w4a16"]
+    model = fit_family("moe_w4a16", [p for p in pts if p["M"] <= 64], synth.BW, synth.TF)
+    for p in (p for p in pts if p["M"] > 64):        # held out: the fit on the smaller sizes finds them
+        got, how = model.time_us((p["tp"],), {"M": p["M"]}, p["bytes"], p["flops"])
+        assert got.value == pytest.approx(p["time_us_p50"], rel=1e-6) and got.extrapolated == ("M",) and how == ""
+    fit = model.classes[(1,)].fit
+    assert fit.latency_us == pytest.approx(synth.MOE[1][0]) and 1e-6 / fit.us_per_flop == pytest.approx(synth.MOE_TF)
+
+
+def test_little_law_carries_bytes_in_flight_not_a_share_of_bandwidth(inv: Inventory) -> None:
+    h200, pro, b300 = (inv.specs[n] for n in ("h200-sxm", "rtx-pro-6000-server", "b300-sxm"))
+    ref = Side.of(h200, 4200.0, 790.0)
+    # 2 TB/s achieved on 132 SMs: 188 SMs with the same bytes in flight would move 2.85 TB/s, more than the
+    # PRO 6000's copy ceiling of 1.4 TB/s, so it reaches that ceiling; a fixed share would give 0.67 TB/s
+    assert memory_gbps(2000.0, ref, Side.of(pro, 1400.0, 400.0)) == pytest.approx(1400.0)
+    # a B300 (160 SMs, 7 TB/s copy) needs more bytes in flight per SM than the kernel keeps: 2.42 TB/s
+    assert memory_gbps(2000.0, ref, Side.of(b300, 7000.0, 1800.0)) == pytest.approx(2000.0 * 160 / 132)
+    # without an SM count on a spec sheet, the share of the copy ceiling carries
+    no_sms = Side(7000.0, 1800.0, None, None)
+    assert memory_gbps(2000.0, ref, no_sms) == pytest.approx(2000.0 / 4200.0 * 7000.0)
+    # a known latency on both sides scales it too
+    slow = dataclasses.replace(Side.of(b300, 7000.0, 1800.0), latency_ns=800.0)
+    assert memory_gbps(2000.0, dataclasses.replace(ref, latency_ns=600.0), slow) == \
+        pytest.approx(2000.0 * 160 / 132 * 600 / 800)
+
+
+def test_cross_host_answers_carry_and_say_so(ref, inv: Inventory) -> None:
+    model = build(ref.tables, ref.machine, machine_of(inv, "b300"))
+    here = answer(build(ref.tables, ref.machine, ref.machine), Query(2, 4, 16, 256, 2.5))
+    there = answer(model, Query(2, 4, 16, 256, 2.5))
+    assert "cross-host" in there.carries and "cross-host" not in here.carries
+    assert there.ms["moe"] < here.ms["moe"]                 # more bandwidth and SMs: the MoE runs faster
+    assert there.ms["tree"] == pytest.approx(here.ms["tree"])   # latency-bound tree kernels stay as measured
+    assert there.ms["host"] == pytest.approx(here.ms["host"])
