@@ -27,8 +27,8 @@ MARK = "spin_kernel"
 FAMILIES = ("moe", "attention", "dense", "lm_head", "tree", "other")
 SECTIONS = ("moe", "attention", "lm_head", "tree")
 SECTION_MARK = "kdbench_section_"  # + family: the marker kernel's name
-# cuBLAS / cuBLASLt / CUTLASS GEMM kernels (and cuBLAS's split-K reduction) as the profiler names them
-GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|splitKreduce", re.IGNORECASE)
+# cuBLAS / cuBLASLt / CUTLASS GEMM and GEMV kernels (and cuBLAS's split-K reduction) as the profiler names them
+GEMM = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitKreduce", re.IGNORECASE)
 T = TypeVar("T")
 _on = False
 _markers: dict[str, Callable[[], None]] = {}

@@ -137,9 +137,10 @@ BOUNDS: dict[str, dict[str, tuple[float, float]]] = {
     "comm": {"world_size": (0, 1 << 12), "bytes": (0, 1 << 50), "time_us_p50": _T_US, "algbw_gbps": _RATE,
              "busbw_gbps": _RATE},
 }
-# The columns that name a state: one of these values.
+# The columns that name a state: one of these values (suite "whatif": the controller's stored what-if
+# answers, projected only; a host's runs name the three suites engine.bench runs).
 STATES: dict[str, dict[str, tuple[str, ...]]] = {
-    "runs": {"suite": ("kernels", "e2e", "comm"), "status": ("complete", "partial", "skipped")},
+    "runs": {"suite": ("kernels", "e2e", "comm", "whatif"), "status": ("complete", "partial", "skipped")},
     "e2e": {"status": ("ok", "skipped")},
     "comm": {"status": ("ok", "skipped")},
 }
@@ -450,6 +451,8 @@ def check_run_tables(host: str, run_id: str, tables: Mapping[str, pa.Table],
             hosts = set(table.column("host").to_pylist())
             if hosts - {host}:
                 raise SchemaError(f"{label}: names host {sorted(hosts - {host})[:3]}, expected {host!r}")
+            if "projected" not in sources and "whatif" in table.column("suite").to_pylist():
+                raise SchemaError(f"{label}: suite 'whatif' is the controller's own answers, never a measured run's")
 
 
 def provenance(table: pa.Table) -> dict[str, Any]:

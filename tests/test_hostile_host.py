@@ -412,3 +412,13 @@ def test_a_failed_suite_with_a_hostile_runs_table_still_ingests_the_good_files(h
     info = store.ingest(HOST, RUN, pulled.accepted_dir)
     assert (info.status, info.suites) == ("partial", ["e2e", "kernels"])
     assert store.load(HOST, RUN)["kernels"].num_rows == 3
+
+
+def test_a_host_cannot_send_the_controllers_whatif_suite() -> None:
+    """suite 'whatif' names the controller's own stored what-if answers (projected); a measured runs
+    table naming it is refused where pull checks a host's files, and accepted for a projected run."""
+    from engine.schema import SchemaError, check_run_tables
+
+    with pytest.raises(SchemaError, match="suite 'whatif'"):
+        check_run_tables(HOST, RUN, {"runs": _runs(suite="whatif")}, sources=("measured",))
+    check_run_tables(HOST, RUN, {"runs": _runs(suite="whatif", source="projected")})
