@@ -161,11 +161,14 @@ def test_compact_keeps_the_accepted_path():
     assert cache.ckv[:, 1, 5, 0].tolist() == [5.0, 5.0]
 
 
-def _verify_rounds_like_flash(q_nope, q_rope, ckv, kpe, ctx_lens, tree_mask, sm_scale, impl="auto"):
+def _verify_rounds_like_flash(q_nope, q_rope, ckv, kpe, ctx_lens, tree_mask, sm_scale, impl="auto", causal=False):
     """Attention for T > 1 with the probabilities rounded to bf16 before P @ V, as flash kernels do;
     T = 1 (plain decode) keeps the float32 reference. Two honest paths that round differently."""
     if q_nope.shape[1] == 1:
-        return reference.mla_tree_attention(q_nope, q_rope, ckv, kpe, ctx_lens, tree_mask, sm_scale)
+        return reference.mla_tree_attention(q_nope, q_rope, ckv, kpe, ctx_lens, tree_mask, sm_scale, causal=causal)
+    if causal:  # a prompt chunk: the chain tree
+        bt, t = q_nope.shape[:2]
+        tree_mask = torch.ones(t, t, dtype=torch.bool, device=q_nope.device).tril().expand(bt, t, t)
     q, k = torch.cat([q_nope, q_rope], -1).float(), torch.cat([ckv, kpe], -1).float()
     vis = reference.tree_visibility(ctx_lens, tree_mask, ckv.shape[1]).unsqueeze(1)
     p = (torch.einsum("bthd,bsd->bhts", q, k) * sm_scale).masked_fill(~vis, float("-inf")).softmax(-1)
