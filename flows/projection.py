@@ -129,6 +129,13 @@ def _spread(row: dict[str, Any]) -> float:
     return (hi - lo) / 2 / row["time_us_p50"] if lo and hi else 0.0
 
 
+def measured_band(row: dict[str, Any]) -> Band:
+    """The point's own p10 and p90 over its median: the band of a figure carried to the machine it
+    was measured on (multipliers, so a spread wider than the median never makes a time negative)."""
+    lo, hi, mid = row.get("time_us_p10"), row.get("time_us_p90"), row["time_us_p50"]
+    return Band(min(lo / mid, 1.0) if lo else 1.0, max(hi / mid, 1.0) if hi else 1.0)
+
+
 def project_kernels(rows: list[dict[str, Any]], model: Model, evidence: Sequence[Any], run_id: str,
                     ref_run_id: str) -> list[dict[str, Any]]:
     """Every measured point on the target: by its family's kernel model where kdbench has one (its band
@@ -152,7 +159,7 @@ def project_kernels(rows: list[dict[str, Any]], model: Model, evidence: Sequence
                 band = combine({f"cross-host {label(r)}": ((ratios, tuple(map(str, range(len(ratios))))), 1.0)},
                                _spread(r))
             else:
-                band = Band(1 - _spread(r), 1 + _spread(r))
+                band = measured_band(r)
             p = {"time_us_p50": t, "time_us_low": t * band.low if band.known else None,
                  "time_us_high": t * band.high if band.known else None,
                  "regime": regime({**r, "time_us_p50": t}, *model.tgt_c.of(r["dtype"])) if not host_side(r) else HOST,

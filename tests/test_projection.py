@@ -169,3 +169,23 @@ def test_second_reference_widens_the_band(tmp_path: Path, inv: Inventory) -> Non
         assert a["time_us_p50"] == b["time_us_p50"]                  # the central value stays the first's
         assert b["time_us_low"] <= a["time_us_low"] and b["time_us_high"] >= a["time_us_high"]
         assert b["time_us_low"] <= alone[point_key(b)]["time_us_p50"] <= b["time_us_high"]
+
+
+def test_a_spread_wider_than_the_median_keeps_the_band_positive(tmp_path: Path, inv: Inventory) -> None:
+    """A noisy point (p90 several times its median, as a loaded CPU host gives) carried to its own
+    machine keeps a band of positive times: its own p10 and p90, which the store's value check accepts."""
+    from engine.schema import check_values, read_table, to_table, write_table
+
+    ref_dir = tmp_path / "art" / "reference" / "h200"
+    write_run(ref_dir)
+    kern = read_table(ref_dir / "kernels.arrow")
+    rows = kern.to_pylist()
+    rows[0] = {**rows[0], "time_us_p10": rows[0]["time_us_p50"] * 0.9, "time_us_p90": rows[0]["time_us_p50"] * 4}
+    write_table(ref_dir, to_table("kernels", rows, provenance(kern)))
+    ref = load_reference(Store(str(tmp_path / "art")), inv, "h200")
+    proj = project(ref.tables, ref.machine, Machine("h200b", inv.specs["h200-sxm"], 1, "none"),
+                   evidence=_evidence(0.05))
+    check_values(proj["kernels"], "kernels.arrow")
+    noisy = next(p for p in proj["kernels"].to_pylist() if point_key(p) == point_key(rows[0]))
+    assert noisy["time_us_low"] == pytest.approx(0.9 * noisy["time_us_p50"])
+    assert noisy["time_us_high"] == pytest.approx(4 * noisy["time_us_p50"])
