@@ -7,11 +7,13 @@ the engine (MoE loops over the experts actually touched, never over tokens).
 from __future__ import annotations
 
 import heapq
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch import Tensor
 
 from kernels.int4 import dequantize_w4
@@ -85,6 +87,9 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
     causal=True is the chain tree (token t sees chunk tokens 0..t), the semantics of the kernels'
     causal mode; tree_mask is then ignored. compute_dtype float32 is the accuracy reference; the
     bench times it in the input dtype as the baseline a plain PyTorch implementation would get.
+    An accuracy reference runs SDPA's math backend: on a GPU the fused float32 backends can miss
+    the float64 answer by more than the bf16 kernels they judge, where few keys are visible
+    (kernels/NOTES.md: the MLA check case of 9000 + 100 tokens).
     """
     bt, t, hh, dl = q_nope.shape
     s = ckv.shape[1]
@@ -94,7 +99,8 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
     kk = torch.cat([ckv, kpe], -1).to(compute_dtype).unsqueeze(1).expand(bt, hh, s, -1)
     v = ckv.to(compute_dtype).unsqueeze(1).expand(bt, hh, s, dl)
     vis = tree_visibility(ctx_lens, tree_mask, s).unsqueeze(1)  # [Bt, 1, T, S]
-    o = F.scaled_dot_product_attention(q, kk, v, attn_mask=vis, scale=sm_scale)
+    with sdpa_kernel(SDPBackend.MATH) if compute_dtype != q_nope.dtype else nullcontext():
+        o = F.scaled_dot_product_attention(q, kk, v, attn_mask=vis, scale=sm_scale)
     return o.transpose(1, 2).to(q_nope.dtype)
 
 
