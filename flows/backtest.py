@@ -197,7 +197,7 @@ def size(data: Dataset) -> list[BacktestRow]:
                 continue
             got = model.time_us(class_key(h), _shape(h, fam), h["bytes"], h["flops"])
             if got:
-                pairs.append((h["time_us_p50"], got[0].value, id(h)))
+                pairs.append((h["time_us_p50"], got[0].value, point_key(h)))
                 regimes.append(regime(h, *ceil.of(h["dtype"])))
         reg = statistics.mode(regimes) if regimes else regime(pts[0], *ceil.of(pts[0]["dtype"]))
         detail = (f"{axis} >= {cut} from {axis} < {cut}: the family's kernel model (latency + bytes / bandwidth + "
@@ -232,7 +232,7 @@ def tensor_parallel(data: Dataset) -> list[BacktestRow]:
         if not full or not shard:
             continue
         model = fit_family(fam, full, *ceil.of(pts[0]["dtype"]))
-        pairs = [(k["time_us_p50"], got[0].value, id(k)) for k in shard
+        pairs = [(k["time_us_p50"], got[0].value, point_key(k)) for k in shard
                  for got in [model.time_us(class_key(k), _shape(k, fam), k["bytes"], k["flops"])] if got]
         out.append(summarise("tp", data.name, data.name, fam_label, regime(shard[0], *ceil.of(shard[0]["dtype"])),
                              pairs, "TP-N shard shapes from the full shapes' kernel model (at the shard's bytes/flops)"))
@@ -297,7 +297,7 @@ def compare(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bo
         p = got.get(drop(point_key(m)))
         if p:
             name = f"{label(p)} vs {m['impl']}" if relax_impl and p["impl"] != m["impl"] else label(m)
-            fams.setdefault(name, []).append((m["time_us_p50"], p["time_us_p50"], id(m)))
+            fams.setdefault(name, []).append((m["time_us_p50"], p["time_us_p50"], point_key(m)))
             regs[name] = p["regime"] or "-"
     detail = "outside figures of another implementation: the gap is kdbench's kernel against theirs, " \
              "not only projection error" if relax_impl else "projected from the reference's own run"
@@ -306,7 +306,7 @@ def compare(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bo
     what = "config, layers, tp, concurrency" + ("" if relax_impl else ", budget, acceptance")
     out.append(summarise("cross-host", ref.name, tgt.name, "e2e tokens/s", "e2e", pairs,
                          (f"{detail}; each outside row against the step model at its configuration (the "
-                          "reference's budget, its fastest measured acceptance)" if relax_impl else detail)
+                          "reference's budget and shortest prompts, the median over its measured acceptances: the source states none)" if relax_impl else detail)
                          if pairs else f"no e2e point of the target matches a projected one ({what})"))
     return out
 
@@ -317,8 +317,9 @@ def _e2e_pairs(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl:
         got = {e2e_key(e): e for e in rows_of(proj, "e2e")}
         return [(m["tokens_per_s"], p["tokens_per_s"], e2e_key(m)) for m in rows_of(tgt.tables, "e2e")
                 if m["tokens_per_s"] for p in [got.get(e2e_key(m))] if p]
-    # an outside serving figure states no tree budget or acceptance: the step model answers it at the
-    # reference's budget and each of its measured acceptances, and the fastest stands for it
+    # an outside serving figure states no tree budget, acceptance or prompt length: the step model
+    # answers it at the reference's budget and shortest prompts, at each acceptance the reference
+    # measured, and the median answer stands for it (the fastest would be biased up by construction)
     model = build(ref.tables, ref.machine, machine)
     levels = calibration_rows(rows_of(ref.tables, "e2e"))
     out: list[Pair] = []
@@ -326,9 +327,10 @@ def _e2e_pairs(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl:
         cands = [r for r in levels if r.get("layers") == m.get("layers")]
         if not m["tokens_per_s"] or not cands:
             continue
-        best = max(answer(model, replace(query_of(r), tp=tp_of(m), concurrency=m["concurrency"]),
-                          config_of(r)).tokens_per_s for r in cands)
-        out.append((m["tokens_per_s"], best, e2e_key(m)))
+        shortest = min(r["context"] for r in cands)
+        answers = [answer(model, replace(query_of(r), tp=tp_of(m), concurrency=m["concurrency"], context=shortest),
+                          config_of(r)).tokens_per_s for r in cands]
+        out.append((m["tokens_per_s"], statistics.median(answers), e2e_key(m)))
     return out
 
 
