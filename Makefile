@@ -21,7 +21,7 @@ sshd:
 	@test -x /usr/sbin/sshd || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server; }
 
 demo: venv sshd
-	$(BIN)/python -m flows.demo
+	$(BIN)/python -m flows.pipelines.demo
 
 test: venv sshd
 	$(BIN)/python -m pytest

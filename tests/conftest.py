@@ -8,8 +8,8 @@ from typing import Callable, Iterator, Sequence
 
 import pytest
 
-from flows import sandbox as sandbox_mod
-from flows.inventory import Host, Inventory, load_host, load_inventory
+from flows.inventory.files import Host, Inventory, load_host, load_inventory
+from flows.transport import sandbox as sandbox_mod
 
 
 @dataclass

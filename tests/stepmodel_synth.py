@@ -2,7 +2,7 @@
 
 Every kernel point follows a known additive roofline (latency + bytes / bandwidth + flops / compute,
 the MoE's compute rate one for both shape classes), the tree kernels a known curve in budget, and each
-e2e row is built here from those formulas (not from flows.stepmodel): each family's suite time times a
+e2e row is built here from those formulas (not from flows.analysis.stepmodel): each family's suite time times a
 known in-step factor, gpu_other = a fixed part + a x tokens-dependent part per layer, host time =
 fixed + per layer. So a step model that composes correctly must give the rows back, and its
 calibration must find the factors. Written with engine.schema (test_projection_synth.write_suites).

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from flows import bench_flow
-from flows.inventory import Host
-from flows.pull import Pulled
-from flows.ssh import ProbeResult
+from flows.inventory.files import Host
+from flows.pipelines import bench as bench_flow
+from flows.transport.pull import Pulled
+from flows.transport.remote import ProbeResult
 
 HOST = Host(name="box", address="gpu-box.lab.internal", port=22, user="alice", key_file="id_box", spec="h200-sxm",
             gpus=1, arch="sm_90", interconnect="none", python="python3", work_dir="kdbench")

@@ -11,11 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from engine.schema import read_table
-from flows.cli import app
-from flows.importer import ImportFileError, import_file
-from flows.inventory import Inventory
-from flows.reference import is_outside
-from flows.store import Store
+from flows.analysis.importer import ImportFileError, import_file
+from flows.analysis.reference import is_outside
+from flows.cli.app import app
+from flows.inventory.files import Inventory
+from flows.store.store import Store
 from test_projection_synth import write_run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,10 +18,10 @@ import pytest
 from typer.testing import CliRunner
 
 from flows import notes as notes_mod
-from flows.cli import app
-from flows.inventory import Inventory, load_inventory
+from flows.cli.app import app
+from flows.inventory.files import Inventory, load_inventory
 from flows.notes import render_notes
-from flows.store import MANIFESTS, Store, parquet_bytes
+from flows.store.store import MANIFESTS, Store, parquet_bytes
 from test_projection_synth import model_run, write_run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.schema import MAX_ROWS, SchemaError, read_table
-from flows import store as store_mod
-from flows.store import MANIFESTS, Store, StoreError, parquet_bytes
-from flows.store_migrate import migrate
+from flows.store import store as store_mod
+from flows.store.migrate import migrate
+from flows.store.store import MANIFESTS, Store, StoreError, parquet_bytes
 from test_projection_synth import write_run
 from test_store import _old_layout_run
 
@@ -126,7 +126,7 @@ def test_a_second_migration_is_refused_while_one_runs(old_store: tuple[Path, dic
     art = tmp_path / "art"
     shutil.copytree(src, art)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from flows.store import Store; from flows.store_migrate import exclusive\n"
+        [sys.executable, "-c", "import sys; from flows.store.store import Store; from flows.store.migrate import exclusive\n"
                                f"with exclusive(Store({str(art)!r})):\n    print('held', flush=True); sys.stdin.read()"],
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
-from flows.inventory import load_host, load_inventory, update_host
+from flows.cli.app import app
+from flows.inventory.files import load_host, load_inventory, update_host
 
 REPO_HOSTS = Path(__file__).resolve().parents[1] / "hosts"
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from engine.schema import provenance, read_table, to_table, write_table
-from flows.backtest import refresh
-from flows.inventory import Inventory, load_inventory, update_host
+from flows.analysis.backtest import refresh
+from flows.analysis.reference import project_host
+from flows.inventory.files import Inventory, load_inventory, update_host
+from flows.inventory.scrub import leaks
 from flows.notes import NotesError, commit_notes, gather, notes_message, render_notes, summary_lines
-from flows.scrub import leaks
-from flows.reference import project_host
-from flows.store import Store
+from flows.store.store import Store
 from test_projection_synth import write_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def test_render_is_byte_identical_in_process_and_from_the_cli(rendered: tuple[St
     assert _files(tmp_path / "again" / "notes") == _files(notes)
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     argv = ["notes", "--artifacts", store.base, "--hosts", str(inv.dir), "--docs", str(tmp_path / "cli")]
-    cli = subprocess.run([sys.executable, "-c", "from flows.cli import app; app()", *argv], env=env,
+    cli = subprocess.run([sys.executable, "-c", "from flows.cli.app import app; app()", *argv], env=env,
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert cli.returncode == 0, cli.stderr
     assert "b300: projected" in cli.stdout and "h200: measured" in cli.stdout
@@ -185,7 +185,7 @@ def test_cli_errors_are_one_line_exit_2(tmp_path: Path) -> None:
     (tmp_path / "hosts" / "bad.yaml").write_text("name: bad\nport: nope\n")
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from flows.cli.app import app
     res = CliRunner().invoke(app, ["notes", "--artifacts", str(tmp_path / "art"), "--hosts",
                                    str(tmp_path / "hosts"), "--docs", str(tmp_path / "docs")])
     assert res.exit_code == 2 and "bad.yaml" in res.output and "Traceback" not in res.output

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from flows.backtest import refresh
-from flows.inventory import Inventory, load_inventory
+from flows.analysis.backtest import refresh
+from flows.inventory.files import Inventory, load_inventory
 from flows.notes import crossover, render_notes
-from flows.store import Store
+from flows.store.store import Store
 from test_notes_picture import _rewrite, _section, _table_rows
 from test_projection_synth import FULL, model_run
 

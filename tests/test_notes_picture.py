@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from engine.schema import provenance, read_table, to_table, write_table
-from flows.inventory import Inventory, load_inventory
+from flows.inventory.files import Inventory, load_inventory
 from flows.notes import gather, headline, render_notes
-from flows.store import Store
+from flows.store.store import Store
 from test_projection_synth import FULL, model_run, write_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def test_the_moe_section_shows_full_and_tp8_shard_shapes_in_two_tables(tmp_path:
     assert "expert intermediate 2048 (gate_up N = 4096, down K = 2048)" in moe
     assert "No TP-8 shard-shape points" not in moe
     # the projected page keeps them apart as well (the projection carries the shard points)
-    from flows.backtest import refresh
+    from flows.analysis.backtest import refresh
     refresh(store, inv, "h200")
     b300 = (_render(store, inv, tmp_path / "docs") / "b300.md").read_text()
     pfull, pshard = _shard_rows(b300)
@@ -187,7 +187,7 @@ def test_tokens_per_s_against_accepted_length_at_full_depth(tmp_path: Path, inv:
     _accept_sweep(ref)
     store = Store(str(tmp_path / "art"))
     store.ingest("h200", "h200-model-1", ref)
-    from flows.backtest import refresh
+    from flows.analysis.backtest import refresh
     refresh(store, inv, "h200")           # what `kdbench notes` stores first (the what-if grid among it)
     notes = _render(store, inv, tmp_path / "docs")
     page = (notes / "h200.md").read_text()
@@ -211,7 +211,7 @@ def test_tokens_per_s_against_accepted_length_at_full_depth(tmp_path: Path, inv:
             assert line[-1][6] == f"{max(e['tokens_per_s'] for e in want):,.0f}"
     # the new tables and plot (and the what-if grid, stored again) are byte-identical when another process
     # refreshes and renders them
-    cli = subprocess.run([sys.executable, "-c", "from flows.cli import app; app()", "notes", "--artifacts", store.base,
+    cli = subprocess.run([sys.executable, "-c", "from flows.cli.app import app; app()", "notes", "--artifacts", store.base,
                           "--hosts", str(inv.dir), "--docs", str(tmp_path / "cli")],
                          env={**os.environ, "PYTHONHASHSEED": "999"}, capture_output=True, text=True, timeout=120,
                          cwd=REPO)

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from engine.schema import provenance, validate
-from flows.backtest import cross_host
-from flows.families import point_key
-from flows.inventory import Inventory
-from flows.projection import Machine, allreduce_us, assumptions, project, project_point
-from flows.reference import load_reference, measured_datasets, project_host
-from flows.store import Store
+from flows.analysis.backtest import cross_host
+from flows.analysis.families import point_key
+from flows.analysis.projection import Machine, allreduce_us, assumptions, project, project_point
+from flows.analysis.reference import load_reference, measured_datasets, project_host
+from flows.inventory.files import Inventory
+from flows.store.store import Store
 from test_projection_synth import evidence, write_run
 
 

@@ -10,13 +10,13 @@ import pyarrow as pa
 import pytest
 
 from engine.schema import read_table, to_table
-from flows.backtest import cross_host, depth, refresh, tensor_parallel
-from flows.inventory import Inventory
+from flows.analysis.backtest import cross_host, depth, refresh, tensor_parallel
+from flows.analysis.projection import ALLREDUCES_PER_LAYER, Machine, allreduce_us, assumptions, project
+from flows.analysis.reference import is_outside, load_reference, machine_of
+from flows.analysis.stepmodel import answer, build, query_of
+from flows.inventory.files import Inventory
 from flows.notes import gather, headline, moe_points, render_notes
-from flows.projection import ALLREDUCES_PER_LAYER, Machine, allreduce_us, assumptions, project
-from flows.reference import is_outside, load_reference, machine_of
-from flows.stepmodel import answer, build, query_of
-from flows.store import Store
+from flows.store.store import Store
 from test_projection_synth import FULL, evidence, model_run
 
 REPO = Path(__file__).resolve().parents[1]

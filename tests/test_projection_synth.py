@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from engine.schema import read_table, to_table, write_table
-from flows.backtest import BacktestRow
+from flows.analysis.backtest import BacktestRow
 
 EXPERT_BYTES = 24.77e6
 H, I, E, TOPK, LAYERS = 7168, 2048, 384, 8, 4
@@ -122,7 +122,7 @@ def evidence(spread: float, n: int = 8,
                                                      ("size", "mla_tree_attention/triton"), ("tp", "e2e TP-8 rank step"),
                                                      ("cross-host", "e2e tokens/s"))) -> list[BacktestRow]:
     """Stored-backtest rows whose carries missed by up to +-spread on n held-out points each: what a
-    projection's bands are built from (flows.bands)."""
+    projection's bands are built from (flows.analysis.bands)."""
     ratios = tuple(1 + spread * (2 * i / (n - 1) - 1) for i in range(n))
     return [BacktestRow(kind, "h200", "h200", fam, "e2e", n, ratios=ratios, groups=tuple(map(str, range(n))))
             for kind, fam in carries]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flows.inventory import load_host
-from flows.ssh import _mismatches, _parse_facts
+from flows.inventory.files import load_host
+from flows.transport.remote import _mismatches, _parse_facts
 
 
 def test_facts_parsing_is_defensive() -> None:

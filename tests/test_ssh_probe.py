@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows import sandbox as sandbox_mod
-from flows import ssh
-from flows.cli import app
-from flows.inventory import key_line, parse_public_key, update_host
-from flows.ssh import Remote, RemoteError, Timeouts, probe
+from flows.cli.app import app
+from flows.inventory.files import key_line, parse_public_key, update_host
+from flows.transport import sandbox as sandbox_mod
+from flows.transport import remote as ssh
+from flows.transport.remote import Remote, RemoteError, Timeouts, probe
 
 pytestmark = pytest.mark.integration
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from flows import ssh
-from flows.inventory import update_host
-from flows.sandbox import _alive
-from flows.ssh import Remote, RemoteError, Timeouts, probe, remote_command
+from flows.inventory.files import update_host
+from flows.transport import remote as ssh
+from flows.transport.remote import Remote, RemoteError, Timeouts, probe, remote_command
+from flows.transport.sandbox import _alive
 
 pytestmark = pytest.mark.integration
 

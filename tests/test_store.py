@@ -15,8 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from engine.schema import SchemaError, read_table
-from flows.cli import app
-from flows.store import Store, StoreError
+from flows.cli.app import app
+from flows.store.store import Store, StoreError
 from test_projection_synth import write_run
 
 REPO = Path(__file__).resolve().parents[1]

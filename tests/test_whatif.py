@@ -13,12 +13,12 @@ from typer.testing import CliRunner
 
 import stepmodel_synth as synth
 from engine.schema import validate
-from flows.backtest import refresh
-from flows.cli import app
-from flows.inventory import Inventory
+from flows.analysis.backtest import refresh
+from flows.analysis.whatif import GRID_CONCURRENCY, GRID_CONTEXT, SUITE, stored_whatif
+from flows.cli.app import app
+from flows.inventory.files import Inventory
 from flows.notes import render_notes
-from flows.store import Store
-from flows.whatif import GRID_CONCURRENCY, GRID_CONTEXT, SUITE, stored_whatif
+from flows.store.store import Store
 from test_projection_synth import FULL, model_run
 
 REPO = Path(__file__).resolve().parents[1]
