@@ -8,7 +8,8 @@ from typing import Callable, Iterator, Sequence
 
 import pytest
 
-from flows.inventory.files import Host, Inventory, load_host, load_inventory
+from flows.inventory.files import load_host, load_inventory
+from flows.inventory.hosts import Host, Inventory
 from flows.transport import sandbox as sandbox_mod
 
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from flows.analysis.backtest import (GOAL_IN_BAND, BacktestRow, composition, depth, goal_gap, refresh, size, stored_backtest, tensor_parallel, trend)
 from flows.analysis.reference import load_reference
 from flows.cli.app import app
-from flows.inventory.files import Inventory
+from flows.inventory.hosts import Inventory
 from flows.notes import render_notes
 from flows.store.store import Store
 from test_projection_synth import write_run

@@ -14,7 +14,7 @@ from flows.analysis.backtest import BacktestRow
 from flows.analysis.bands import MIN_POINTS, combine, edges, jackknife, step_band, t_quantile
 from flows.analysis.reference import load_reference, machine_of
 from flows.analysis.stepmodel import Query, answer, build
-from flows.inventory.files import Inventory
+from flows.inventory.hosts import Inventory
 from flows.store.store import Store
 
 

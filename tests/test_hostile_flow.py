@@ -17,8 +17,8 @@ import pytest
 from rich.text import Text
 
 from flows.inventory.scrub import LINE_CAP
-from flows.pipelines.bench import ARTIFACT_LINE
 from flows.pipelines.progress import HEAD_LINES, TAIL_LINES
+from flows.pipelines.tasks import ARTIFACT_LINE
 from flows.transport import sandbox as sandbox_mod
 
 pytestmark = pytest.mark.integration
@@ -91,8 +91,9 @@ from pathlib import Path
 from prefect import flow
 from flows.inventory.files import load_host
 from flows.pipelines import bench as bench_flow
-from flows.pipelines.bench import BuildFailed, RunReport, SuiteResult, bench_suite, build
+from flows.pipelines.bench import RunReport
 from flows.pipelines.settings import Settings
+from flows.pipelines.tasks import BuildFailed, SuiteResult, bench_suite, build
 from flows.transport.deploy import Deployed
 from flows.transport.remote import Remote
 

@@ -14,7 +14,7 @@ from engine.schema import read_table
 from flows.analysis.importer import ImportFileError, import_file
 from flows.analysis.reference import is_outside
 from flows.cli.app import app
-from flows.inventory.files import Inventory
+from flows.inventory.hosts import Inventory
 from flows.store.store import Store
 from test_projection_synth import write_run
 

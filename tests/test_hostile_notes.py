@@ -19,9 +19,11 @@ from typer.testing import CliRunner
 
 from flows import notes as notes_mod
 from flows.cli.app import app
-from flows.inventory.files import Inventory, load_inventory
+from flows.inventory.files import load_inventory
+from flows.inventory.hosts import Inventory
 from flows.notes import render_notes
-from flows.store.store import MANIFESTS, Store, parquet_bytes
+from flows.store.layout import MANIFESTS, parquet_bytes
+from flows.store.store import Store
 from test_projection_synth import model_run, write_run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,8 +21,9 @@ import pytest
 
 from engine.schema import MAX_ROWS, SchemaError, read_table
 from flows.store import store as store_mod
+from flows.store.layout import MANIFESTS, StoreError, parquet_bytes
 from flows.store.migrate import migrate
-from flows.store.store import MANIFESTS, Store, StoreError, parquet_bytes
+from flows.store.store import Store
 from test_projection_synth import write_run
 from test_store import _old_layout_run
 

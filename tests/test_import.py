@@ -18,7 +18,7 @@ from flows.analysis.importer import ImportFileError, import_file
 from flows.analysis.projection import assumptions, project
 from flows.analysis.reference import load_reference, machine_of, measured_datasets
 from flows.cli.app import app
-from flows.inventory.files import Inventory
+from flows.inventory.hosts import Inventory
 from flows.notes import gather, render_notes
 from flows.store.store import Store
 from test_projection_synth import write_run

@@ -11,8 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli.app import app
-from flows.inventory.files import (InventoryError, activate, default_hosts_dir, load_host, load_inventory, retire, update_host)
-from flows.transport.remote import probe
+from flows.inventory.files import activate, default_hosts_dir, load_host, load_inventory, retire, update_host
+from flows.inventory.hosts import InventoryError
+from flows.transport.probe import probe
 
 REPO_HOSTS = Path(__file__).resolve().parents[1] / "hosts"
 
@@ -203,7 +204,7 @@ def test_option_like_or_control_paths_are_refused(inv_dir: Path, field: str, val
 
 
 def test_names_with_a_trailing_newline_are_refused(inv_dir: Path) -> None:
-    from flows.store.store import StoreError, check_name
+    from flows.store.layout import StoreError, check_name
     from flows.transport.remote import remote_command
 
     with pytest.raises(InventoryError, match="not a safe identifier"):

@@ -14,7 +14,8 @@ import pytest
 from engine.schema import provenance, read_table, to_table, write_table
 from flows.analysis.backtest import refresh
 from flows.analysis.reference import project_host
-from flows.inventory.files import Inventory, load_inventory, update_host
+from flows.inventory.files import load_inventory, update_host
+from flows.inventory.hosts import Inventory
 from flows.inventory.scrub import leaks
 from flows.notes import NotesError, commit_notes, gather, notes_message, render_notes, summary_lines
 from flows.store.store import Store

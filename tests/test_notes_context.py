@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from flows.analysis.backtest import refresh
-from flows.inventory.files import Inventory, load_inventory
+from flows.inventory.files import load_inventory
+from flows.inventory.hosts import Inventory
 from flows.notes import crossover, render_notes
 from flows.store.store import Store
 from test_notes_picture import _rewrite, _section, _table_rows

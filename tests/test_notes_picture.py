@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from engine.schema import provenance, read_table, to_table, write_table
-from flows.inventory.files import Inventory, load_inventory
+from flows.inventory.files import load_inventory
+from flows.inventory.hosts import Inventory
 from flows.notes import gather, headline, render_notes
 from flows.store.store import Store
 from test_projection_synth import FULL, model_run, write_run

@@ -12,7 +12,7 @@ from flows.analysis.backtest import cross_host
 from flows.analysis.families import point_key
 from flows.analysis.projection import Machine, allreduce_us, assumptions, project, project_point
 from flows.analysis.reference import load_reference, measured_datasets, project_host
-from flows.inventory.files import Inventory
+from flows.inventory.hosts import Inventory
 from flows.store.store import Store
 from test_projection_synth import evidence, write_run
 

@@ -14,7 +14,7 @@ from flows.analysis.backtest import cross_host, depth, refresh, tensor_parallel
 from flows.analysis.projection import ALLREDUCES_PER_LAYER, Machine, allreduce_us, assumptions, project
 from flows.analysis.reference import is_outside, load_reference, machine_of
 from flows.analysis.stepmodel import answer, build, query_of
-from flows.inventory.files import Inventory
+from flows.inventory.hosts import Inventory
 from flows.notes import gather, headline, moe_points, render_notes
 from flows.store.store import Store
 from test_projection_synth import FULL, evidence, model_run

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.inventory.files import Host, Inventory
+from flows.inventory.hosts import Host, Inventory
 from flows.inventory.scrub import fenced, leaks, md, plain, redact
 
 

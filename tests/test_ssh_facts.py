@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from flows.inventory.files import load_host
-from flows.transport.remote import _mismatches, _parse_facts
+from flows.transport.probe import _mismatches, _parse_facts
 
 
 def test_facts_parsing_is_defensive() -> None:

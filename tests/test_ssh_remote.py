@@ -11,7 +11,9 @@ import pytest
 
 from flows.inventory.files import update_host
 from flows.transport import remote as ssh
-from flows.transport.remote import Remote, RemoteError, Timeouts, probe, remote_command
+from flows.transport.connect import RemoteError, Timeouts
+from flows.transport.probe import probe
+from flows.transport.remote import Remote, remote_command
 from flows.transport.sandbox import _alive
 
 pytestmark = pytest.mark.integration

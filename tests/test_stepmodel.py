@@ -16,7 +16,7 @@ from flows.analysis.kernelfit import fit_family
 from flows.analysis.reference import load_reference, machine_of
 from flows.analysis.stepmemory import RESERVE_BYTES, cache_bytes, memory, weight_bytes
 from flows.analysis.stepmodel import Query, answer, build, query_of
-from flows.inventory.files import Inventory
+from flows.inventory.hosts import Inventory
 from flows.store.store import Store
 
 

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from engine.schema import SchemaError, read_table
 from flows.cli.app import app
-from flows.store.store import Store, StoreError
+from flows.store.layout import StoreError
+from flows.store.store import Store
 from test_projection_synth import write_run
 
 REPO = Path(__file__).resolve().parents[1]

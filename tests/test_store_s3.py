@@ -26,10 +26,11 @@ from typer.testing import CliRunner
 
 from engine.schema import SchemaError, read_table
 from flows.cli.app import app
-from flows.pipelines.bench import ingest
 from flows.pipelines.settings import Settings
+from flows.pipelines.tasks import ingest
+from flows.store.layout import StoreError
 from flows.store.migrate import LOCK, migrate
-from flows.store.store import Store, StoreError
+from flows.store.store import Store
 from flows.transport.pull import Pulled, quarantine
 from test_projection_synth import write_run
 

@@ -16,7 +16,7 @@ from engine.schema import validate
 from flows.analysis.backtest import refresh
 from flows.analysis.whatif import GRID_CONCURRENCY, GRID_CONTEXT, SUITE, stored_whatif
 from flows.cli.app import app
-from flows.inventory.files import Inventory
+from flows.inventory.hosts import Inventory
 from flows.notes import render_notes
 from flows.store.store import Store
 from test_projection_synth import FULL, model_run

@@ -35,8 +35,9 @@ from flows.analysis.projection import ProjectionError, breakdown, measured_ceili
 from flows.analysis.reference import Dataset, is_outside, measured_datasets, project_host, unmeasured_hosts
 from flows.analysis.stepmodel import FAMILIES, COLUMN, answer, build, calibration_rows, config_of, query_of
 from flows.analysis.whatif import store_grids
-from flows.inventory.files import Inventory
-from flows.store.store import Store, StoreError
+from flows.inventory.hosts import Inventory
+from flows.store.layout import StoreError
+from flows.store.store import Store
 
 GOAL_MEDIAN = {"memory": 0.10, "e2e": 0.20}   # median |error| goals by regime (none set for the others)
 # issue 25's goals for a kind of carry: (kind, family prefix, regime) -> median |error|

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flows.inventory.files import Spec
+from flows.inventory.hosts import Spec
 
 LITTLE, SHARE = "little", "share"   # which carrier a memory-bound point went by
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from flows.inventory.files import Spec
+from flows.inventory.hosts import Spec
 
 # All-reduce constants used when the reference has no comm measurement of its own.
 DEFAULT_ALPHA_US = {"nvlink": 8.0, "pcie": 15.0}

@@ -40,9 +40,10 @@ from engine.schema import MANIFEST, MAX_ROWS, SchemaError, check_values, manifes
 from flows.analysis.families import family
 from flows.analysis.kernelfit import cost_of
 from flows.analysis.reference import OUTSIDE_ORIGINS, is_outside
-from flows.inventory.files import INDEX_PAGE, Interconnect, Inventory, is_page_name
+from flows.inventory.hosts import INDEX_PAGE, Interconnect, Inventory, is_page_name
 from flows.inventory.scrub import leaks
-from flows.store.store import Store, StoreError, check_name
+from flows.store.layout import StoreError, check_name
+from flows.store.store import Store
 
 MAX_BYTES = 4 << 20
 MAX_INT = 1 << 53       # a count beyond this is no count (and would not survive a float)

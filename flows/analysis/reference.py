@@ -13,8 +13,9 @@ from typing import Sequence
 
 from engine.schema import SchemaError, check_values, provenance
 from flows.analysis.projection import Machine, ProjectionError, Tables, project
-from flows.inventory.files import Inventory
-from flows.store.store import Store, StoreError
+from flows.inventory.hosts import Inventory
+from flows.store.layout import StoreError
+from flows.store.store import Store
 
 OUTSIDE_ORIGINS = ("published", "outside")   # provenance `origin` of imported figures
 

@@ -12,15 +12,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pydantic import ValidationError
-
-from flows.inventory.files import (Host, InventoryError, RetiredReason, activate, default_hosts_dir, fingerprint, key_line, load_host, load_inventory, now, retire, update_host, validation_message, write_new_host)
-from flows.inventory.scrub import line
-
 if TYPE_CHECKING:
-    from flows.transport.remote import ProbeResult
+    from flows.transport.probe import ProbeResult
 
-hosts_app = typer.Typer(help="Inventory hosts: list, add, pin host keys, probe, retire.", no_args_is_help=True)
+# The inventory (pydantic, ruamel, paramiko) is imported inside each command, so `--help` needs none of it.
+hosts_app = typer.Typer(help="Inventory hosts: list, add, pin host keys, probe, retire.", no_args_is_help=True,
+                        rich_markup_mode=None)
 
 HostsDir = typer.Option(
     None, "--hosts", envvar="KDBENCH_HOSTS", help="Inventory folder (default: the repo's hosts/).",
@@ -32,6 +29,7 @@ err = Console(stderr=True)
 
 
 def _dir(hosts: Optional[Path]) -> Path:
+    from flows.inventory.files import default_hosts_dir
     return Path(hosts) if hosts is not None else default_hosts_dir()
 
 
@@ -48,6 +46,9 @@ def _when(v: object) -> str:
 @hosts_app.command("list")
 def list_hosts(hosts: Optional[Path] = HostsDir) -> None:
     """Show every host: GPUs, arch, status, why it was retired, when it last answered."""
+    from flows.inventory.files import load_inventory
+    from flows.inventory.hosts import InventoryError
+
     try:
         inv = load_inventory(_dir(hosts))
     except InventoryError as e:
@@ -81,6 +82,11 @@ def add(
     hosts: Optional[Path] = HostsDir,
 ) -> None:
     """Write a new host file. No host key is pinned: run `kdbench hosts trust NAME` next."""
+    from pydantic import ValidationError
+
+    from flows.inventory.files import validation_message, write_new_host
+    from flows.inventory.hosts import Host, InventoryError
+
     d = _dir(hosts)
     try:
         host = Host.model_validate(dict(
@@ -107,7 +113,10 @@ def trust(
     This is the only way a key is ever pinned; compare the fingerprint with one obtained out of
     band (e.g. `ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` on the host's console).
     """
-    from flows.transport.remote import RemoteError, fetch_host_key
+    from flows.inventory.files import load_host, update_host
+    from flows.inventory.hosts import InventoryError
+    from flows.inventory.keys import fingerprint, key_line
+    from flows.transport.connect import RemoteError, fetch_host_key
 
     d = _dir(hosts)
     try:
@@ -137,6 +146,8 @@ def trust(
 
 
 def _show(r: ProbeResult) -> None:
+    from flows.inventory.scrub import line
+
     colour = "green" if r.outcome == "ok" else "red"
     out.print(f"{r.host}: [{colour}]{r.outcome}[/{colour}] ({r.elapsed_s:.2f} s) {line(r.detail)}", highlight=False)
     if r.outcome == "host_key_changed":
@@ -163,7 +174,10 @@ def check(
     Outcomes: ok, unauthorized, host_key_changed, host_key_unknown, unreachable, timeout.
     Nothing is retired or re-pinned here; `ok` updates the host's last_seen.
     """
-    from flows.transport.remote import Timeouts, probe
+    from flows.inventory.files import load_inventory, now, update_host
+    from flows.inventory.hosts import InventoryError
+    from flows.transport.connect import Timeouts
+    from flows.transport.probe import probe
 
     d = _dir(hosts)
     try:
@@ -196,6 +210,9 @@ def retire_cmd(
     hosts: Optional[Path] = HostsDir,
 ) -> None:
     """Take a host out of service, recording why and when."""
+    from flows.inventory.files import retire
+    from flows.inventory.hosts import InventoryError, RetiredReason
+
     allowed = RetiredReason.__args__  # type: ignore[attr-defined]
     if reason not in allowed:
         raise fail(f"--reason: must be one of {', '.join(allowed)} (got {reason!r})")
@@ -209,6 +226,9 @@ def retire_cmd(
 @hosts_app.command("activate")
 def activate_cmd(name: str = typer.Argument(..., help="Host to put back into service."), hosts: Optional[Path] = HostsDir) -> None:
     """Put a host back into service (clears the retirement fields; pinned keys are untouched)."""
+    from flows.inventory.files import activate
+    from flows.inventory.hosts import InventoryError
+
     try:
         h = activate(_dir(hosts), name)
     except InventoryError as e:

@@ -14,7 +14,6 @@ from rich.markup import escape
 
 from flows import REPO
 from flows.cli.emit import Format, console, emit
-from flows.inventory.files import InventoryError, default_hosts_dir, load_inventory
 
 out = console()
 err = Console(stderr=True)
@@ -31,8 +30,9 @@ def _expected() -> tuple[type[Exception], ...]:
     """The errors a command reports in one line: bad inventory, store, reference or notes input."""
     from engine.schema import SchemaError
     from flows.analysis.projection import ProjectionError
+    from flows.inventory.hosts import InventoryError
     from flows.notes import NotesError
-    from flows.store.store import StoreError
+    from flows.store.layout import StoreError
     return InventoryError, StoreError, ProjectionError, SchemaError, NotesError
 
 
@@ -54,6 +54,7 @@ def notes(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir
     The same inputs always give the same bytes, so a commit only happens when a figure changed.
     """
     from flows.analysis.backtest import refresh
+    from flows.inventory.files import default_hosts_dir, load_inventory
     from flows.notes import commit_notes, gather, notes_message, render_notes
     from flows.store.store import Store
 
@@ -89,6 +90,7 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
     from dataclasses import asdict
 
     from flows.analysis.backtest import backtests_of, store_backtest
+    from flows.inventory.files import default_hosts_dir, load_inventory
     from flows.notes import BACKTEST_COLUMNS, backtest_cells
     from flows.store.store import Store
 
@@ -129,7 +131,9 @@ def import_cmd(file: Path = typer.Argument(..., help="CSV or JSON of kernel poin
     replaces the earlier import; a name kdbench's own data already goes by needs --replace.
     """
     from flows.analysis.importer import ImportFileError, import_file
-    from flows.store.store import StoreError, default_root
+    from flows.inventory.files import default_hosts_dir, load_inventory
+    from flows.inventory.hosts import InventoryError
+    from flows.store.layout import StoreError, default_root
 
     try:
         import_file(file, name, artifacts or default_root(), load_inventory(hosts or default_hosts_dir()), replace)

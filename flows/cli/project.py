@@ -14,7 +14,6 @@ import typer
 
 from flows.cli.emit import Format, emit
 from flows.cli.notes import Artifacts, HostsDir, _expected, _fail, err, out
-from flows.inventory.files import default_hosts_dir, load_inventory
 
 LIMITS = {"tp": (1, 64), "concurrency": (1, 4096), "context": (1, 10_000_000), "budget": (0, 4096),
           "accept": (0.0, 1024.0)}
@@ -84,6 +83,7 @@ def project_cmd(host: str = typer.Argument(..., help="Inventory host to answer f
     from flows.analysis.families import E2E_CONTEXT
     from flows.analysis.stepmodel import Query, calibration_rows, step_spread
     from flows.analysis.whatif import accept_levels, answer_row, answers, as_tables, model_for, whatif_run_id
+    from flows.inventory.files import default_hosts_dir, load_inventory
     from flows.store.store import Store
 
     try:

@@ -10,10 +10,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flows.transport.sandbox import FAULTS, MAX_HOSTS, SandboxError, default_state_dir, down, fault, status, up
 
+# The sandbox (psutil, cryptography, the inventory) is imported inside each command: `--help` needs none of it.
 sandbox_app = typer.Typer(help="Local sandbox hosts: real sshd servers on loopback, with faults on demand.",
-                          no_args_is_help=True)
+                          no_args_is_help=True, rich_markup_mode=None)
 
 StateDir = typer.Option(None, "--state", envvar="KDBENCH_SANDBOX",
                         help="Sandbox state folder (default: the repo's .sandbox/).", show_default=False)
@@ -28,11 +28,13 @@ def _fail(e: Exception) -> typer.Exit:
 
 @sandbox_app.command("up")
 def up_cmd(
-    count: int = typer.Option(2, "--count", "-n", min=1, max=MAX_HOSTS, help="How many hosts (named sbx1..sbxN)."),
+    count: int = typer.Option(2, "--count", "-n", help="How many hosts (named sbx1..sbxN; up checks the bound)."),
     name: Optional[list[str]] = typer.Option(None, "--name", help="Host names instead of sbx1..N (repeatable)."),
     state: Optional[Path] = StateDir,
 ) -> None:
     """Start the sandbox hosts and print their inventory folder (host keys already pinned)."""
+    from flows.transport.sandbox import SandboxError, status, up
+
     try:
         hosts_dir = up(count, names=name, state_dir=state)
     except SandboxError as e:
@@ -45,6 +47,8 @@ def up_cmd(
 @sandbox_app.command("down")
 def down_cmd(state: Optional[Path] = StateDir) -> None:
     """Stop every sandbox server and listener (by recorded pid)."""
+    from flows.transport.sandbox import down
+
     down(state)
     out.print("sandbox down")
 
@@ -52,6 +56,8 @@ def down_cmd(state: Optional[Path] = StateDir) -> None:
 @sandbox_app.command("status")
 def status_cmd(state: Optional[Path] = StateDir) -> None:
     """What runs on each sandbox host and which faults are in effect."""
+    from flows.transport.sandbox import default_state_dir, status
+
     rows = status(state)
     if not rows:
         out.print(f"no sandbox in {state or default_state_dir()}", highlight=False)
@@ -73,6 +79,8 @@ def fault_cmd(
 ) -> None:
     """Inject a fault: rotate-hostkey (reprovisioned), revoke-key (unauthorized), stop (released),
     blackhole (TCP accepted, no SSH), or heal (undo all; the inventory's pinned key is untouched)."""
+    from flows.transport.sandbox import FAULTS, SandboxError, fault
+
     if kind not in FAULTS:
         raise _fail(ValueError(f"unknown fault {kind!r}; choose one of {', '.join(FAULTS)}"))
     try:

@@ -9,7 +9,8 @@ from rich.markup import escape
 
 from flows.cli.hosts import fail, out
 
-store_app = typer.Typer(help="The artifacts store: migrate an old layout, rebuild manifests.", no_args_is_help=True)
+store_app = typer.Typer(help="The artifacts store: migrate an old layout, rebuild manifests.", no_args_is_help=True,
+                        rich_markup_mode=None)
 
 Artifacts = typer.Option(None, "--artifacts", envvar="KDBENCH_ARTIFACTS", show_default=False,
                          help="Artifacts store: a folder or a pyarrow filesystem URI (default: the repo's artifacts/).")
@@ -30,8 +31,9 @@ def migrate_cmd(artifacts: Optional[str] = Artifacts,
     Exit status 1 when something was set aside.
     """
     from engine.schema import SchemaError
+    from flows.store.layout import StoreError
     from flows.store.migrate import migrate
-    from flows.store.store import Store, StoreError
+    from flows.store.store import Store
 
     try:
         report = migrate(Store(artifacts), break_lock)
@@ -57,7 +59,8 @@ def reindex_cmd(artifacts: Optional[str] = Artifacts) -> None:
     rebuilt from the run's files. Exit status 1 when any of these happened.
     """
     from engine.schema import SchemaError
-    from flows.store.store import Store, StoreError
+    from flows.store.layout import StoreError
+    from flows.store.store import Store
 
     try:
         report = Store(artifacts).reindex()

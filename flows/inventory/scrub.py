@@ -16,11 +16,12 @@ from __future__ import annotations
 import ipaddress
 import re
 import unicodedata
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from rich.markup import escape
 
-from flows.inventory.files import Host, Inventory
+if TYPE_CHECKING:
+    from flows.inventory.hosts import Host, Inventory
 
 CAP = 200               # characters kept of one host string
 LINE_CAP = 2000         # of one host line in a log record: far below Prefect's 64 KiB per record

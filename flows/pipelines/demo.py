@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from flows import REPO
-from flows.inventory.files import InventoryError, load_host
+from flows.inventory.files import load_host
+from flows.inventory.hosts import InventoryError
 from flows.pipelines.server import spawn_serve, start_server, stop_process, wait_for_deployment
 from flows.store.store import Store
 from flows.transport import sandbox

@@ -31,7 +31,8 @@ from filelock import FileLock, Timeout
 from pydantic import BaseModel
 
 from engine.schema import TABLES, SchemaError
-from flows.store.store import OLD_INDEX, PART, Manifest, Store, StoreError, hive_key, manifest_path
+from flows.store.layout import OLD_INDEX, PART, Manifest, StoreError, hive_key, manifest_path
+from flows.store.store import Store
 
 UNMIGRATED = "_unmigrated"
 LOCK = ".migrate.lock"

@@ -20,7 +20,8 @@ from pydantic import BaseModel
 
 from engine.schema import (MANIFEST, MAX_FILE_BYTES, MAX_TEXT, TABLES, SchemaError, check_run_tables, provenance,
                            read_table, sha256_file, to_table, write_manifest, write_table)
-from flows.store.store import Store, check_name
+from flows.store.layout import check_name
+from flows.store.store import Store
 from flows.transport.remote import Remote, TransferError
 
 _NAME = re.compile(r"^[a-z0-9_]{1,64}\.arrow\Z")

@@ -1,24 +1,17 @@
-"""SSH transport: pinned host keys only, every remote command quoted and bounded twice.
+"""Commands and transfers on a connected host: every remote command quoted and bounded twice.
 
-Trust comes from the inventory alone: the paramiko client starts with an empty key store and a
-RejectPolicy that accepts exactly the host's pinned keys (any of them, several of one type too),
-with the host-key algorithms narrowed to the pinned types; no ~/.ssh/config, no agent and no default
-key search. Failures are classified into the few outcomes the flows route on, so a reprovisioned
-or revoked machine is told apart from one that is merely down.
-
-Commands and transfers go through a Fabric `Connection` handed that authenticated client (it never
-opens one of its own, and loads no SSH or Fabric config files). Everything a host sends is bounded:
-invoke's Runner keeps every chunk of output in a list and joins the whole list for its watchers on
-each chunk (memory and time grow with the output), so `_BoundedRunner` replaces its two output
-handlers with `_Capture`, which splits lines in linear time, cuts overlong lines and keeps only
-the tail; invoke's own timer enforces the local deadline however much the host prints, and its
-kill first kills the remote process group. SFTP transfers have a size cap and a deadline.
+Commands and transfers go through a Fabric `Connection` handed the authenticated client of
+flows.transport.connect (it never opens one of its own, and loads no SSH or Fabric config files).
+Everything a host sends is bounded: invoke's Runner keeps every chunk of output in a list and joins the
+whole list for its watchers on each chunk (memory and time grow with the output), so `_BoundedRunner`
+replaces its two output handlers with `_Capture`, which splits lines in linear time, cuts overlong lines
+and keeps only the tail; invoke's own timer enforces the local deadline however much the host prints,
+and its kill first kills the remote process group. SFTP transfers have a size cap and a deadline.
 """
 
 from __future__ import annotations
 
 import codecs
-import logging
 import os
 import re
 import shlex
@@ -26,7 +19,7 @@ import socket
 import time
 from collections import deque
 from pathlib import Path
-from typing import IO, Any, Callable, Literal, Mapping, Sequence
+from typing import IO, Any, Callable, Mapping, Sequence
 
 import fabric
 import fabric.runners
@@ -34,18 +27,12 @@ import invoke
 import paramiko
 from pydantic import BaseModel
 
-from engine.schema import loads_untrusted, sha256_file
-from flows.inventory.files import Host, InventoryError, display_path, fingerprint, load_specs, parse_public_key
-
-Outcome = Literal["ok", "unauthorized", "host_key_changed", "host_key_unknown", "unreachable", "timeout"]
+from engine.schema import sha256_file
+from flows.inventory.hosts import Host
+from flows.transport.connect import RemoteError, Timeouts, connect_client
 
 # timeout(1) exits 124 when it stopped the command, 137 (128+KILL) when -k had to kill it.
 _TIMEOUT_RCS = (124, 137)
-# paramiko's transport thread logs handshake failures (with tracebacks) that we classify and
-# report ourselves; its records go to this logger, silent unless someone attaches a handler.
-_PARAMIKO_LOG = "flows.transport.remote.paramiko"
-logging.getLogger(_PARAMIKO_LOG).addHandler(logging.NullHandler())
-logging.getLogger(_PARAMIKO_LOG).propagate = False
 KILL_AFTER_S = 10
 _LOCAL_GRACE_S = 5.0
 # What one command's output may cost the controller: lines are cut at MAX_LINE characters, and
@@ -61,35 +48,6 @@ _PGID = "KDBENCH_PGID "
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
-class Timeouts(BaseModel):
-    """Seconds allowed for each stage; `command` bounds the probe's fact-finding command."""
-
-    connect: float = 5
-    banner: float = 5
-    auth: float = 5
-    command: float = 30
-
-
-class ProbeResult(BaseModel):
-    host: str
-    outcome: Outcome
-    detail: str
-    elapsed_s: float
-    pinned_fingerprints: list[str]
-    presented_fingerprint: str | None = None
-    facts: dict[str, Any] = {}
-    mismatches: list[str] = []
-
-
-class RemoteError(Exception):
-    """A connection or remote-command failure; `outcome` says which kind when connecting failed."""
-
-    def __init__(self, message: str, outcome: Outcome | None = None, presented_fingerprint: str | None = None):
-        super().__init__(message)
-        self.outcome = outcome
-        self.presented_fingerprint = presented_fingerprint
-
-
 class TransferError(RemoteError):
     """One SFTP transfer refused or stopped (over the size cap, stalled, past its deadline); the
     connection itself may still be good, so a caller can skip that file and go on."""
@@ -101,113 +59,6 @@ class RunResult(BaseModel):
     stderr: str
     timed_out: bool
     elapsed_s: float
-
-
-def refuse_placeholder(host: Host, hosts_dir: Path) -> None:
-    """Stop before any network activity while the shipped placeholder address is still there."""
-    if host.is_placeholder():
-        path = display_path(Path(hosts_dir) / f"{host.name}.yaml")
-        raise InventoryError(
-            f"{path}: field 'address': {host.address!r} is a placeholder; "
-            f"edit {path} and set the host's real address before contacting it"
-        )
-
-
-def _connect(host: Host, hosts_dir: Path, timeouts: Timeouts) -> paramiko.SSHClient:
-    """An authenticated client trusting only the pinned keys; RemoteError(outcome=...) otherwise."""
-    refuse_placeholder(host, hosts_dir)
-    where = display_path(Path(hosts_dir) / f"{host.name}.yaml")
-    key_path = host.key_path(hosts_dir)
-    if not key_path.is_file():
-        raise InventoryError(f"{where}: field 'key_file': file not found")
-    try:
-        pkey = paramiko.PKey.from_path(key_path)
-    except (paramiko.SSHException, ValueError, OSError) as e:
-        raise InventoryError(f"{where}: field 'key_file': not a usable private key ({type(e).__name__})") from None
-    pinned = [parse_public_key(line) for line in host.host_keys]
-    client = paramiko.SSHClient()
-    client.set_log_channel(_PARAMIKO_LOG)
-    client.set_missing_host_key_policy(_PinnedOnly(pinned))
-    try:
-        client.connect(
-            host.address, port=host.port, username=host.user, pkey=pkey,
-            allow_agent=False, look_for_keys=False, timeout=timeouts.connect,
-            banner_timeout=timeouts.banner, auth_timeout=timeouts.auth, channel_timeout=timeouts.connect,
-            disabled_algorithms={"keys": _unpinned_algorithms(pinned)},
-        )
-        return client
-    except paramiko.BadHostKeyException as e:
-        client.close()
-        got = fingerprint(e.key)
-        raise RemoteError(
-            f"presented host key {got} does not match the pinned key(s) {', '.join(host.fingerprints())}",
-            "host_key_changed", got,
-        ) from None
-    except paramiko.AuthenticationException as e:
-        client.close()
-        if "timeout" in str(e).lower():
-            raise RemoteError(f"no answer to authentication within {timeouts.auth:g} s", "timeout") from None
-        raise RemoteError("the host refused the client key", "unauthorized") from None
-    except (socket.timeout, TimeoutError):
-        client.close()
-        raise RemoteError(f"no TCP answer within {timeouts.connect:g} s", "unreachable") from None
-    except socket.gaierror:
-        client.close()
-        raise RemoteError("address not resolved", "unreachable") from None
-    except paramiko.ssh_exception.NoValidConnectionsError:
-        client.close()
-        raise RemoteError("connection refused or no route to host", "unreachable") from None
-    except paramiko.SSHException as e:
-        msg = str(e).lower()
-        t = client.get_transport()
-        presented = fingerprint(t.get_remote_server_key()) if t is not None and t.host_key is not None else None
-        spoke = t is not None and bool(t.remote_version)
-        client.close()
-        if "not found in known_hosts" in msg:
-            raise RemoteError(
-                f"no pinned host key; presented {presented} (pin it with `kdbench hosts trust {host.name}`)",
-                "host_key_unknown", presented,
-            ) from None
-        if "no acceptable host key" in msg or "incompatible ssh peer" in msg:
-            raise RemoteError("the host offers none of the pinned key types", "host_key_changed") from None
-        if t is None:
-            raise RemoteError(f"SSH connection failed: {e}", "unreachable") from None
-        # TCP was accepted: silence before the banner, key exchange or authentication finished.
-        stage = "SSH banner" if not spoke else ("key exchange" if presented is None else "authentication")
-        limit = timeouts.banner if not spoke else timeouts.auth
-        raise RemoteError(f"TCP accepted but no {stage} within {limit:g} s", "timeout") from None
-    except (OSError, EOFError) as e:
-        client.close()
-        why = getattr(e, "strerror", None) or type(e).__name__
-        raise RemoteError(f"network error: {why}", "unreachable") from None
-
-
-class _PinnedOnly(paramiko.RejectPolicy):
-    """The client's key store stays empty, so every presented key comes here: one equal to any
-    pinned key is accepted, anything else rejected (as a changed key when some key is pinned).
-
-    paramiko's store holds one key per type, so several pinned keys of one type would otherwise
-    come down to the last one added."""
-
-    def __init__(self, pinned: Sequence[paramiko.PKey]):
-        self.pinned = list(pinned)
-
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        if any(key == p for p in self.pinned):
-            return
-        if self.pinned:
-            raise paramiko.BadHostKeyException(hostname, key, self.pinned[0])
-        super().missing_host_key(client, hostname, key)
-
-
-def _unpinned_algorithms(pinned: Sequence[paramiko.PKey]) -> list[str]:
-    """Host-key algorithms of types nothing is pinned for, so the host presents a pinned type."""
-    if not pinned:
-        return []
-    names = {k.get_name() for k in pinned}
-    if "ssh-rsa" in names:
-        names |= {"rsa-sha2-512", "rsa-sha2-256"}
-    return [a for a in paramiko.Transport._preferred_keys if a not in names]
 
 
 def remote_command(argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
@@ -399,7 +250,7 @@ class Remote:
 
     def connect(self) -> "Remote":
         """Open the connection; RemoteError(outcome=...) when the host is not `ok`."""
-        self._conn = _fabric_connection(self.host, _connect(self.host, self.hosts_dir, self.timeouts))
+        self._conn = _fabric_connection(self.host, connect_client(self.host, self.hosts_dir, self.timeouts))
         return self
 
     def __enter__(self) -> "Remote":
@@ -540,140 +391,3 @@ class Remote:
             raise TransferError(f"download from {self.host.name} corrupted: sha256 {got} != {want}")
         os.replace(tmp, local)
         return want
-
-
-# One small program, run with the host's own python, reports what the host really has.
-_FACTS = r"""
-import json, os, shutil, subprocess, sys
-from importlib import metadata
-f = {"python": sys.version.split()[0]}
-for m in ("torch", "triton"):
-    try:
-        f[m] = metadata.version(m)
-    except Exception:
-        f[m] = None
-d = sys.argv[1]
-while d and not os.path.isdir(d):
-    d = os.path.dirname(d.rstrip("/")) or "."
-f["work_dir_exists"] = os.path.isdir(sys.argv[1])
-f["disk_free_gb"] = round(shutil.disk_usage(d or ".").free / 1e9, 1)
-f["nvidia_smi"] = None
-if shutil.which("nvidia-smi"):
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,compute_cap",
-                            "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
-        f["nvidia_smi"] = r.stdout[:20000] if r.returncode == 0 else None
-    except Exception:
-        pass
-print("KDBENCH_FACTS " + json.dumps(f))
-"""
-
-_CAP_TO_ARCH = {"9.0": "sm_90", "10.0": "sm_100", "10.3": "sm_103", "12.0": "sm_120"}
-
-
-def _parse_facts(stdout: str) -> dict[str, Any]:
-    """Facts from the host's output, validated: wrong types become None, never an exception."""
-    raw: dict[str, Any] = {}
-    for line in stdout.splitlines():
-        if line.startswith("KDBENCH_FACTS "):
-            raw = loads_untrusted(line.removeprefix("KDBENCH_FACTS "))
-    if not isinstance(raw, dict):
-        raw = {}
-
-    def s(v: Any) -> str | None:
-        return v[:200] if isinstance(v, str) else None
-
-    facts: dict[str, Any] = {
-        "python": s(raw.get("python")), "torch": s(raw.get("torch")), "triton": s(raw.get("triton")),
-        "disk_free_gb": raw.get("disk_free_gb") if isinstance(raw.get("disk_free_gb"), (int, float)) else None,
-        "work_dir_exists": raw.get("work_dir_exists") is True,
-        "gpu_names": [], "gpu_count": 0, "driver": None, "arch_found": "cpu",
-    }
-    smi = raw["nvidia_smi"][:20000] if isinstance(raw.get("nvidia_smi"), str) else ""
-    caps: set[str] = set()
-    for row in smi.splitlines():
-        cols = [c.strip() for c in row.split(",")]
-        if len(cols) != 3 or not cols[0]:
-            continue
-        facts["gpu_names"].append(cols[0][:100])
-        facts["driver"] = cols[1][:50]
-        caps.add(cols[2][:10])
-    facts["gpu_count"] = len(facts["gpu_names"])
-    if caps:
-        archs = sorted({_CAP_TO_ARCH.get(c, f"compute_cap {c}") for c in caps})
-        facts["arch_found"] = archs[0] if len(archs) == 1 else ",".join(archs)
-    return facts
-
-
-def _mismatches(host: Host, facts: dict[str, Any], gpu_model: str | None) -> list[str]:
-    out = []
-    if facts["arch_found"] != host.arch:
-        out.append(f"arch: inventory says {host.arch}, host has {facts['arch_found']}")
-    if facts["gpu_count"] != host.gpus:
-        out.append(f"gpus: inventory says {host.gpus}, host has {facts['gpu_count']}")
-    if gpu_model and host.gpus and facts["gpu_names"]:
-        others = sorted({n for n in facts["gpu_names"] if gpu_model.lower() not in n.lower()})
-        if others:
-            out.append(f"gpu: spec says {gpu_model}, host has {', '.join(others)}")
-    if facts["python"] is None:
-        out.append(f"python: {host.python!r} did not run on the host")
-    elif facts["torch"] is None:
-        out.append("torch: not installed for the host's python")
-    if facts["python"] is not None and not facts["work_dir_exists"]:
-        out.append("work_dir: does not exist yet")
-    return out
-
-
-def probe(host: Host, hosts_dir: Path, timeouts: Timeouts = Timeouts()) -> ProbeResult:
-    """Connect with the pinned keys, classify the outcome, and on `ok` read the host's facts."""
-    start = time.monotonic()
-    pinned = host.fingerprints()
-
-    def result(outcome: Outcome, detail: str, presented: str | None = None, **kw: Any) -> ProbeResult:
-        return ProbeResult(
-            host=host.name, outcome=outcome, detail=detail, elapsed_s=round(time.monotonic() - start, 3),
-            pinned_fingerprints=pinned, presented_fingerprint=presented, **kw,
-        )
-
-    remote = Remote(host, hosts_dir, timeouts)
-    try:
-        remote.connect()
-        presented = fingerprint(remote.presented_key())
-        try:
-            res = remote.run([host.python, "-c", _FACTS, host.work_dir], timeout_s=timeouts.command)
-        except (RemoteError, paramiko.SSHException, OSError, EOFError) as e:
-            return result("timeout", f"no answer to the fact-finding command: {type(e).__name__}", presented)
-        if res.timed_out:
-            return result("timeout", f"fact-finding command took over {timeouts.command:g} s", presented)
-    except RemoteError as e:
-        return result(e.outcome or "unreachable", str(e), e.presented_fingerprint)
-    finally:
-        remote.close()
-    facts = _parse_facts(res.stdout)
-    spec = load_specs(Path(hosts_dir)).get(host.spec)
-    mismatches = _mismatches(host, facts, spec.gpu if spec and host.arch != "cpu" else None)
-    detail = "connected" + (f"; {len(mismatches)} mismatch(es) with the inventory" if mismatches else "")
-    return result("ok", detail, presented, facts=facts, mismatches=mismatches)
-
-
-def fetch_host_key(host: Host, hosts_dir: Path, timeouts: Timeouts = Timeouts()) -> paramiko.PKey:
-    """The key the host presents, read without authenticating (for `hosts trust` only)."""
-    refuse_placeholder(host, hosts_dir)
-    try:
-        sock = socket.create_connection((host.address, host.port), timeout=timeouts.connect)
-    except socket.gaierror:
-        raise RemoteError("address not resolved", "unreachable") from None
-    except (socket.timeout, TimeoutError):
-        raise RemoteError(f"no TCP answer within {timeouts.connect:g} s", "unreachable") from None
-    except OSError:
-        raise RemoteError("connection refused or no route to host", "unreachable") from None
-    t = paramiko.Transport(sock)
-    t.set_log_channel(_PARAMIKO_LOG)
-    t.banner_timeout = timeouts.banner
-    try:
-        t.start_client(timeout=timeouts.banner)
-        return t.get_remote_server_key()
-    except (paramiko.SSHException, EOFError, OSError):
-        raise RemoteError(f"TCP accepted but no SSH answer within {timeouts.banner:g} s", "timeout") from None
-    finally:
-        t.close()

@@ -30,7 +30,8 @@ from ruamel.yaml.comments import CommentedMap
 
 from engine.files import atomic_write_bytes
 from flows import REPO
-from flows.inventory.files import SAFE_NAME, Host, fingerprint, key_line, parse_public_key
+from flows.inventory.hosts import SAFE_NAME, Host
+from flows.inventory.keys import fingerprint, key_line, parse_public_key
 
 Fault = Literal["rotate-hostkey", "revoke-key", "stop", "blackhole", "heal"]
 FAULTS: tuple[str, ...] = ("rotate-hostkey", "revoke-key", "stop", "blackhole", "heal")
