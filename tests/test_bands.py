@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import stepmodel_synth as synth
+from support import stepmodel as synth
 from flows.analysis.backtest import BacktestRow
 from flows.analysis.bands import MIN_POINTS, combine, edges, jackknife, step_band, t_quantile
 from flows.analysis.reference import load_reference, machine_of

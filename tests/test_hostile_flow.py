@@ -16,6 +16,7 @@ from typing import Iterator
 import pytest
 from rich.text import Text
 
+from flows import REPO
 from flows.inventory.scrub import LINE_CAP
 from flows.pipelines.progress import HEAD_LINES, TAIL_LINES
 from flows.pipelines.tasks import ARTIFACT_LINE
@@ -24,7 +25,6 @@ from flows.transport import sandbox as sandbox_mod
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[1]
 LINES = 1300
 # The host's "python": whatever it is asked to run, it prints far too much, then every trick it has.
 HOSTILE = r"""

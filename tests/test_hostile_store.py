@@ -20,14 +20,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.schema import MAX_ROWS, SchemaError, read_table
+from flows import REPO
 from flows.store import store as store_mod
 from flows.store.layout import MANIFESTS, StoreError, parquet_bytes
 from flows.store.migrate import migrate
 from flows.store.store import Store
-from test_projection_synth import write_run
-from test_store import _old_layout_run
-
-REPO = Path(__file__).resolve().parents[1]
+from support.runs import old_layout_run, write_run
 
 
 # -- migrate, killed at any point ---------------------------------------------------------------
@@ -80,7 +78,7 @@ def old_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[tupl
     runs = {("h200", "h200-a"): write_run(tmp / "a", host="h200", run_id="h200-a"),
             ("pro6000", "p-b"): write_run(tmp / "b", host="pro6000", run_id="p-b", with_comm=False)}
     for (host, run_id), src in runs.items():
-        leaf = _old_layout_run(art, src, host, run_id, index)
+        leaf = old_layout_run(art, src, host, run_id, index)
     (leaf / "notes.txt").write_text("an operator's file\n")
     (art / "runs" / "_index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in index))
     return art, runs

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from engine.config import K2
 from engine.costs import expected_experts, int4_expert_bytes
 from engine.schema import provenance, read_table
+from flows import REPO
 from flows.analysis.backtest import refresh
 from flows.analysis.importer import ImportFileError, import_file
 from flows.analysis.projection import assumptions, project
@@ -21,9 +22,8 @@ from flows.cli.app import app
 from flows.inventory.hosts import Inventory
 from flows.notes import gather, render_notes
 from flows.store.store import Store
-from test_projection_synth import write_run
+from support.runs import write_run
 
-REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "artifacts" / "reference" / "pro6000-published" / "source.json"
 PROV = {"machine": "1x test GPU", "date": "2026-11-01", "source": "a test", "host": "pro6000"}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import stepmodel_synth as synth
+from support import stepmodel as synth
 from engine.config import K2, make_config
 from flows.analysis.carrier import Side, memory_gbps
 from flows.analysis.kernelfit import fit_family

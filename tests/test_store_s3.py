@@ -25,6 +25,7 @@ from prefect.logging import disable_run_logger
 from typer.testing import CliRunner
 
 from engine.schema import SchemaError, read_table
+from flows import REPO
 from flows.cli.app import app
 from flows.pipelines.settings import Settings
 from flows.pipelines.tasks import ingest
@@ -32,11 +33,10 @@ from flows.store.layout import StoreError
 from flows.store.migrate import LOCK, migrate
 from flows.store.store import Store
 from flows.transport.pull import Pulled, quarantine
-from test_projection_synth import write_run
+from support.runs import write_run
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[1]
 BUCKET = "kdbench-test"
 RUN = "sbx-s3-1"
 

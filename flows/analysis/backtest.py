@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from flows.analysis.bands import jackknife
-from flows.analysis.families import (POINT_KEY, SIZE_AXIS, e2e_key, family, host_side, label, point_key, preferred, regime, tp_of)
+from flows.analysis.families import (POINT_KEY, SIZE_AXIS, e2e_key, family, host_side, label, point_key, preferred,
+                                     regime, tp_of)
 from flows.analysis.kernelfit import AXES, class_key, fit_family
 from flows.analysis.projection import ProjectionError, breakdown, measured_ceilings, project, rows_of
 from flows.analysis.reference import Dataset, is_outside, measured_datasets, project_host, unmeasured_hosts

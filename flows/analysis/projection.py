@@ -26,10 +26,13 @@ from typing import Any, Sequence
 
 from engine.schema import provenance, to_table
 from flows.analysis.bands import MIN_POINTS, Band, combine, step_band
-from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError, Tables, allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
-from flows.analysis.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, bound, e2e_key, family, host_side, label, point_key, regime, tp_of)
+from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError,
+                                     Tables, allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
+from flows.analysis.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, bound, e2e_key, family,
+                                     host_side, label, point_key, regime, tp_of)
 from flows.analysis.kernelfit import AXES, class_key
-from flows.analysis.stepmodel import (COLUMN, FAMILIES, Model, answer, build, calibration_rows, config_of, query_of, step_spread)
+from flows.analysis.stepmodel import (COLUMN, FAMILIES, Model, answer, build, calibration_rows, config_of, query_of,
+                                      step_spread)
 
 __all__ = ["ALLREDUCES_PER_LAYER", "Machine", "ProjectionError", "Tables", "allreduce_us", "assumptions",
            "breakdown", "has_split", "measured_ceilings", "project", "project_point", "rows_of"]

@@ -37,7 +37,8 @@ from flows.analysis.carrier import SHARE, Side, how
 from flows.analysis.families import E2E_CONTEXT, e2e_key, tp_of
 from flows.analysis.interp import Estimate, Sample, interpolate
 from flows.analysis.kernelfit import Carry, FamilyModel, cost_of, fit_all
-from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, Ceilings, CommModel, Machine, Tables, comm_model, measured_ceilings, rows_of)
+from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, Ceilings, CommModel, Machine, Tables, comm_model,
+                                     measured_ceilings, rows_of)
 from flows.analysis.stepmemory import Memory, memory
 
 FAMILIES = ("moe", "attention", "dense", "lm_head", "tree", "gpu_other")

@@ -23,7 +23,8 @@ from flows.analysis.ceilings import Machine, ProjectionError, Tables, rows_of
 from flows.analysis.families import tp_of
 from flows.analysis.reference import Dataset, load_reference, machine_of, measured_datasets
 from flows.inventory.hosts import Inventory
-from flows.analysis.stepmodel import (COLUMN, FAMILIES, LABEL, TERMS, Model, Query, Step, answer, build, calibration_rows, config_of, step_spread)
+from flows.analysis.stepmodel import (COLUMN, FAMILIES, LABEL, TERMS, Model, Query, Step, answer, build,
+                                      calibration_rows, config_of, step_spread)
 from flows.store.store import Store
 
 SUITE = "whatif"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 from datetime import datetime, timezone
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +199,8 @@ def _atomic_write(path: Path, data: Any) -> None:
 
 
 def _to_yaml_value(v: Any) -> Any:
+    if isinstance(v, Enum):  # a StrEnum (a probe outcome as the retired reason): YAML holds its plain value
+        return v.value
     if isinstance(v, datetime):
         return v.astimezone(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
     return v

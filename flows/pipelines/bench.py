@@ -23,6 +23,7 @@ import asyncio
 import tempfile
 import time
 from datetime import datetime, timezone
+from enum import StrEnum
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -36,25 +37,52 @@ from flows.inventory.files import load_host, load_inventory, now, retire, update
 from flows.inventory.hosts import Host
 from flows.inventory.scrub import line, md, plain
 from flows.pipelines.settings import Settings
-from flows.pipelines.tasks import (SuiteResult, artifact_key, bench_suite, build, check_python,
+from flows.pipelines.tasks import (SuiteResult, SuiteStatus, artifact_key, bench_suite, build, check_python,
                                    deploy_payload, held, host_text, ingest, limit_name, probe_with_retries,
                                    project_task, pull_results, write_notes)
+from flows.store.layout import RunStatus
 from flows.store.store import Store
-from flows.transport.connect import RemoteError
+from flows.transport.connect import ProbeOutcome, RemoteError
 from flows.transport.probe import ProbeResult
 from flows.transport.pull import record_unfinished
 from flows.transport.remote import Remote
 
 CELL_CAP = 500          # characters of one cell of the host-<h> table artifact
-REACHED = ("measured", "python_lacks_torch")  # routes of a reachable host: never projected
+
+
+class Route(StrEnum):
+    """The way a bench run went: measured, stopped at the host's python, or why the host was not contacted
+    or not reachable (the probe's outcomes). A StrEnum: reports, artifacts and logs hold its value."""
+
+    MEASURED = "measured"
+    PYTHON_LACKS_TORCH = "python_lacks_torch"
+    RETIRED = "retired"
+    NOT_CONFIGURED = "not_configured"
+    UNAUTHORIZED = ProbeOutcome.UNAUTHORIZED.value
+    HOST_KEY_CHANGED = ProbeOutcome.HOST_KEY_CHANGED.value
+    HOST_KEY_UNKNOWN = ProbeOutcome.HOST_KEY_UNKNOWN.value
+    UNREACHABLE = ProbeOutcome.UNREACHABLE.value
+    TIMEOUT = ProbeOutcome.TIMEOUT.value
+
+
+class RunOutcome(StrEnum):
+    """What a bench run left for the notes."""
+
+    MEASURED = "measured"
+    PARTIAL = "partial"
+    PROJECTED = "projected"
+    UNMEASURED = "unmeasured"
+
+
+REACHED = (Route.MEASURED, Route.PYTHON_LACKS_TORCH)  # routes of a reachable host: never projected
 
 
 class RunReport(BaseModel):
     """What one bench run did; published as the run's artifacts and returned by the flow."""
 
     host: str
-    route: str  # measured | python_lacks_torch | retired | not_configured | unauthorized | host_key_changed | host_key_unknown | unreachable | timeout
-    outcome: str  # measured | partial | projected | unmeasured
+    route: Route
+    outcome: RunOutcome
     detail: str = ""
     run_id: str | None = None  # the measured run
     projected_run_id: str | None = None
@@ -80,12 +108,12 @@ def _route_unmeasurable(s: Settings, host: Host, res: ProbeResult) -> str:
     """Write back what the probe found; returns the detail for the report."""
     log = get_run_logger()
     detail = host_text(host, res.detail)
-    if res.outcome in ("unauthorized", "host_key_changed"):
+    if res.outcome in (ProbeOutcome.UNAUTHORIZED, ProbeOutcome.HOST_KEY_CHANGED):
         extra = {"presented_host_key_fingerprint": res.presented_fingerprint} if res.presented_fingerprint else {}
         retire(s.hosts_dir, host.name, res.outcome, **extra)
         log.warning("%s retired (%s): %s", host.name, res.outcome, line(detail))
         return f"retired ({res.outcome}): {detail}"
-    if res.outcome in ("unreachable", "timeout"):
+    if res.outcome in (ProbeOutcome.UNREACHABLE, ProbeOutcome.TIMEOUT):
         n = host.unreachable_runs + 1
         if n >= s.unreachable_runs:
             retire(s.hosts_dir, host.name, "released", unreachable_runs=n)
@@ -124,7 +152,7 @@ def _measure(s: Settings, store: Store, host: Host, suites: list[str], profile: 
     with Remote(host, s.hosts_dir) as remote:
         problem = check_python(remote, host)
         if problem:
-            report.route, report.outcome, report.detail = "python_lacks_torch", "unmeasured", problem
+            report.route, report.outcome, report.detail = Route.PYTHON_LACKS_TORCH, RunOutcome.UNMEASURED, problem
             return
         run_id = report.run_id = _run_id()
         dep = deploy_payload(remote, host)
@@ -138,30 +166,30 @@ def _measure(s: Settings, store: Store, host: Host, suites: list[str], profile: 
                 continue
             res = bench_suite(remote, host, dep, suite, profile, run_id, out_dir, bench_timeout_s)
             report.suites.append(res)
-            if res.status == "timeout":
+            if res.status == SuiteStatus.TIMEOUT:
                 log.warning("later suites skipped on %s after the timeout", host.name)
                 break
         with tempfile.TemporaryDirectory(prefix="kdbench-pull-") as tmp:
             pulled = pull_results(remote, host.name, run_id, out_dir, Path(tmp))
-            unfinished = {r.suite: r.status for r in report.suites if r.status in ("timeout", "failed")}
+            unfinished = {r.suite: r.status for r in report.suites if r.status in (SuiteStatus.TIMEOUT, SuiteStatus.FAILED)}
             record_unfinished(pulled, run_id, host.name, profile, unfinished, dep.payload_hash)
             report.quarantined = pulled.quarantined
             info = ingest(store, host.name, run_id, pulled)
     if info is None:
-        report.outcome, report.detail = "unmeasured", "no result could be ingested"
+        report.outcome, report.detail = RunOutcome.UNMEASURED, "no result could be ingested"
         return
     report.results = f"host={host.name}/run={run_id}"
-    bad = [r.suite for r in report.suites if r.status not in ("complete", "skipped")]
-    partial = info.status == "partial" or bad or report.quarantined
-    report.outcome = "partial" if partial else "measured"
+    bad = [r.suite for r in report.suites if r.status not in (SuiteStatus.COMPLETE, SuiteStatus.SKIPPED)]
+    partial = info.status == RunStatus.PARTIAL or bad or report.quarantined
+    report.outcome = RunOutcome.PARTIAL if partial else RunOutcome.MEASURED
     report.detail = (f"partial: {', '.join(f'{r.suite} {r.status}' for r in report.suites if r.suite in bad)}"
                      if bad else ("partial: some files quarantined" if report.quarantined else "all suites complete"))
     report.headline = _headline(store, host.name, run_id)
 
 
 def _publish(report: RunReport, s: Settings) -> None:
-    title = {"measured": "measured", "partial": "measured (partial)", "projected": "projected",
-             "unmeasured": "not measured"}[report.outcome]
+    title = {RunOutcome.MEASURED: "measured", RunOutcome.PARTIAL: "measured (partial)",
+             RunOutcome.PROJECTED: "projected", RunOutcome.UNMEASURED: "not measured"}[report.outcome]
     lines = [f"# {report.host}: {title}", "", f"- route: **{report.route}** — {md(report.detail, cap=2000)}"]
     if report.run_id:
         lines.append(f"- run: `{report.run_id}`")
@@ -213,33 +241,33 @@ def bench(host: str, suites: list[str] | None = None, profile: str | None = None
         h = load_host(s.hosts_dir, host)
         if h.status == "retired":
             log.info("%s is retired (%s): projection, no connection attempted", host, h.retired_reason)
-            report = RunReport(host=host, route="retired", outcome="unmeasured",
+            report = RunReport(host=host, route=Route.RETIRED, outcome=RunOutcome.UNMEASURED,
                                detail=f"retired ({h.retired_reason}) since {h.retired_at:%Y-%m-%d}" if h.retired_at
                                else f"retired ({h.retired_reason})")
         elif h.is_placeholder():
             log.warning("%s: the address in its YAML is still the shipped placeholder; not contacted. "
                         "Fill in address, user and key_file, then pin its key with `kdbench hosts trust %s`",
                         host, host)
-            report = RunReport(host=host, route="not_configured", outcome="unmeasured",
+            report = RunReport(host=host, route=Route.NOT_CONFIGURED, outcome=RunOutcome.UNMEASURED,
                                detail="address is a placeholder: not contacted")
         else:
             res = probe_with_retries(h, s)
-            if res.outcome == "ok":
+            if res.outcome == ProbeOutcome.OK:
                 update_host(s.hosts_dir, host, unreachable_runs=0, last_seen=now())
-                report = RunReport(host=host, route="measured", outcome="measured")
+                report = RunReport(host=host, route=Route.MEASURED, outcome=RunOutcome.MEASURED)
                 try:
                     _measure(s, store, h, suites, profile, bench_timeout_s or s.bench_timeout_s, report)
                 except RemoteError as e:
                     why = host_text(h, str(e))
                     log.error("lost %s during the run: %s", host, line(why))
-                    report.outcome, report.detail = "unmeasured", f"connection lost: {why}"
+                    report.outcome, report.detail = RunOutcome.UNMEASURED, f"connection lost: {why}"
             else:
-                report = RunReport(host=host, route=res.outcome, outcome="unmeasured",
+                report = RunReport(host=host, route=Route(res.outcome), outcome=RunOutcome.UNMEASURED,
                                    detail=_route_unmeasurable(s, h, res))
         if report.route not in REACHED:  # a reachable host keeps its last measured data in the notes
             try:
                 report.projected_run_id = project_task(s.artifacts, str(s.hosts_dir), host, reference)
-                report.outcome = "projected"
+                report.outcome = RunOutcome.PROJECTED
             except ProjectionError as e:
                 log.error("no projection for %s: %s", host, line(e))
                 report.detail += f"; no projection: {e}"

@@ -11,6 +11,7 @@ import json
 import re
 import tempfile
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -35,6 +36,7 @@ from flows.pipelines.settings import Settings
 from flows.store.layout import RunInfo
 from flows.store.store import Store
 from flows.transport import deploy as deploy_mod
+from flows.transport.connect import ProbeOutcome
 from flows.transport.probe import ProbeResult, probe
 from flows.transport.pull import Pulled, pull, quarantine
 from flows.transport.remote import Remote, TransferError
@@ -42,16 +44,29 @@ from flows.transport.remote import Remote, TransferError
 NOTES_LIMIT = "kdbench-notes"
 BUILD_JSON_BYTES = 1 << 20
 ARTIFACT_LINE = 300     # characters of each build-log line quoted in the failure artifact (200 lines: ~60 KB)
-DONE = ("complete", "partial", "skipped")  # what a suite may report at its end; anything else is ignored
 
 
 class BuildFailed(RuntimeError):
     """engine.build failed on the host: the run fails, with the build log attached as an artifact."""
 
 
+class SuiteStatus(StrEnum):
+    """How one suite ended: what it reported at its end (complete, partial, skipped), or what the
+    controller saw (failed: a non-zero exit; timeout: the deadline killed it)."""
+
+    COMPLETE = "complete"
+    PARTIAL = "partial"
+    SKIPPED = "skipped"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+
+
+DONE = (SuiteStatus.COMPLETE, SuiteStatus.PARTIAL, SuiteStatus.SKIPPED)  # a suite's own end; anything else is ignored
+
+
 class SuiteResult(BaseModel):
     suite: str
-    status: str  # complete | partial | failed | timeout
+    status: SuiteStatus
     rc: int
     elapsed_s: float
     points: int
@@ -119,7 +134,7 @@ def probe_host(host: Host, hosts_dir: Path) -> ProbeResult:
     log.info("probe %s: %s (%s) in %.1f s", host.name, res.outcome, logged(host, res.detail), res.elapsed_s)
     for m in res.mismatches:  # they quote what the host reported
         log.warning("inventory mismatch on %s: %s", host.name, logged(host, m))
-    if res.outcome in ("unreachable", "timeout"):
+    if res.outcome in (ProbeOutcome.UNREACHABLE, ProbeOutcome.TIMEOUT):
         raise Unanswered(res)
     return res
 
@@ -221,14 +236,14 @@ def bench_suite(remote: Remote, host: Host, dep: deploy_mod.Deployed, suite: str
     finally:
         forward.close()
     if res.timed_out:
-        status = "timeout"
+        status = SuiteStatus.TIMEOUT
         log.warning("%s on %s timed out after %.0f s: the remote process group was killed; "
                     "what it measured will still be pulled", suite, host.name, timeout_s)
     elif res.rc != 0:
-        status = "failed"
+        status = SuiteStatus.FAILED
         log.error("%s on %s exited %d", suite, host.name, res.rc)
     else:
-        status = str(seen["status"] or "complete")
+        status = SuiteStatus(seen["status"] or SuiteStatus.COMPLETE)
     return SuiteResult(suite=suite, status=status, rc=res.rc, elapsed_s=res.elapsed_s, points=seen["points"])
 
 

@@ -7,6 +7,7 @@ manifest and run summary models, Parquet bytes), shared by the store and its lay
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -28,11 +29,18 @@ class StoreError(Exception):
     """A store operation that cannot proceed; the message names the host, run or file."""
 
 
+class RunStatus(StrEnum):
+    """A stored run: complete when every suite finished or was skipped, else partial (manifests hold the value)."""
+
+    COMPLETE = "complete"
+    PARTIAL = "partial"
+
+
 class RunInfo(BaseModel):
     host: str
     run_id: str
     source: str                      # measured | projected
-    status: str                      # complete | partial
+    status: RunStatus
     started_at: str | None = None   # the host's clock: shown, never used to order runs
     ingested_at: str | None = None  # the controller's clock when stored: what orders runs
     suites: list[str] = []
@@ -88,7 +96,7 @@ def run_info(host: str, run_id: str, tables: dict[str, pa.Table]) -> RunInfo:
     refs = {r for t in tables.values() if "reference_run_id" in t.schema.names
             for r in t.column("reference_run_id").to_pylist() if r}
     return RunInfo(host=host, run_id=run_id, source=sources.pop(),
-                   status="complete" if done else "partial",
+                   status=RunStatus.COMPLETE if done else RunStatus.PARTIAL,
                    started_at=started[0] if started else None,
                    suites=sorted({r["suite"] for r in rows}),
                    reference_run_id=min(refs) if refs else None)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import socket
+from enum import StrEnum
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Sequence
 
 import paramiko
 from pydantic import BaseModel
@@ -21,7 +22,18 @@ from flows.inventory.files import display_path
 from flows.inventory.hosts import Host, InventoryError
 from flows.inventory.keys import fingerprint, parse_public_key
 
-Outcome = Literal["ok", "unauthorized", "host_key_changed", "host_key_unknown", "unreachable", "timeout"]
+
+class ProbeOutcome(StrEnum):
+    """What contacting a host came to: the flows route on it (a StrEnum: stored and logged as its value)."""
+
+    OK = "ok"
+    UNAUTHORIZED = "unauthorized"
+    HOST_KEY_CHANGED = "host_key_changed"
+    HOST_KEY_UNKNOWN = "host_key_unknown"
+    UNREACHABLE = "unreachable"
+    TIMEOUT = "timeout"
+
+
 # paramiko's transport thread logs handshake failures (with tracebacks) that we classify and
 # report ourselves; its records go to this logger, silent unless someone attaches a handler.
 _PARAMIKO_LOG = f"{__name__}.paramiko"
@@ -41,7 +53,7 @@ class Timeouts(BaseModel):
 class RemoteError(Exception):
     """A connection or remote-command failure; `outcome` says which kind when connecting failed."""
 
-    def __init__(self, message: str, outcome: Outcome | None = None, presented_fingerprint: str | None = None):
+    def __init__(self, message: str, outcome: ProbeOutcome | None = None, presented_fingerprint: str | None = None):
         super().__init__(message)
         self.outcome = outcome
         self.presented_fingerprint = presented_fingerprint
@@ -85,22 +97,22 @@ def connect_client(host: Host, hosts_dir: Path, timeouts: Timeouts) -> paramiko.
         got = fingerprint(e.key)
         raise RemoteError(
             f"presented host key {got} does not match the pinned key(s) {', '.join(host.fingerprints())}",
-            "host_key_changed", got,
+            ProbeOutcome.HOST_KEY_CHANGED, got,
         ) from None
     except paramiko.AuthenticationException as e:
         client.close()
         if "timeout" in str(e).lower():
-            raise RemoteError(f"no answer to authentication within {timeouts.auth:g} s", "timeout") from None
-        raise RemoteError("the host refused the client key", "unauthorized") from None
+            raise RemoteError(f"no answer to authentication within {timeouts.auth:g} s", ProbeOutcome.TIMEOUT) from None
+        raise RemoteError("the host refused the client key", ProbeOutcome.UNAUTHORIZED) from None
     except (socket.timeout, TimeoutError):
         client.close()
-        raise RemoteError(f"no TCP answer within {timeouts.connect:g} s", "unreachable") from None
+        raise RemoteError(f"no TCP answer within {timeouts.connect:g} s", ProbeOutcome.UNREACHABLE) from None
     except socket.gaierror:
         client.close()
-        raise RemoteError("address not resolved", "unreachable") from None
+        raise RemoteError("address not resolved", ProbeOutcome.UNREACHABLE) from None
     except paramiko.ssh_exception.NoValidConnectionsError:
         client.close()
-        raise RemoteError("connection refused or no route to host", "unreachable") from None
+        raise RemoteError("connection refused or no route to host", ProbeOutcome.UNREACHABLE) from None
     except paramiko.SSHException as e:
         msg = str(e).lower()
         t = client.get_transport()
@@ -110,20 +122,20 @@ def connect_client(host: Host, hosts_dir: Path, timeouts: Timeouts) -> paramiko.
         if "not found in known_hosts" in msg:
             raise RemoteError(
                 f"no pinned host key; presented {presented} (pin it with `kdbench hosts trust {host.name}`)",
-                "host_key_unknown", presented,
+                ProbeOutcome.HOST_KEY_UNKNOWN, presented,
             ) from None
         if "no acceptable host key" in msg or "incompatible ssh peer" in msg:
-            raise RemoteError("the host offers none of the pinned key types", "host_key_changed") from None
+            raise RemoteError("the host offers none of the pinned key types", ProbeOutcome.HOST_KEY_CHANGED) from None
         if t is None:
-            raise RemoteError(f"SSH connection failed: {e}", "unreachable") from None
+            raise RemoteError(f"SSH connection failed: {e}", ProbeOutcome.UNREACHABLE) from None
         # TCP was accepted: silence before the banner, key exchange or authentication finished.
         stage = "SSH banner" if not spoke else ("key exchange" if presented is None else "authentication")
         limit = timeouts.banner if not spoke else timeouts.auth
-        raise RemoteError(f"TCP accepted but no {stage} within {limit:g} s", "timeout") from None
+        raise RemoteError(f"TCP accepted but no {stage} within {limit:g} s", ProbeOutcome.TIMEOUT) from None
     except (OSError, EOFError) as e:
         client.close()
         why = getattr(e, "strerror", None) or type(e).__name__
-        raise RemoteError(f"network error: {why}", "unreachable") from None
+        raise RemoteError(f"network error: {why}", ProbeOutcome.UNREACHABLE) from None
 
 
 class _PinnedOnly(paramiko.RejectPolicy):
@@ -160,11 +172,11 @@ def fetch_host_key(host: Host, hosts_dir: Path, timeouts: Timeouts = Timeouts())
     try:
         sock = socket.create_connection((host.address, host.port), timeout=timeouts.connect)
     except socket.gaierror:
-        raise RemoteError("address not resolved", "unreachable") from None
+        raise RemoteError("address not resolved", ProbeOutcome.UNREACHABLE) from None
     except (socket.timeout, TimeoutError):
-        raise RemoteError(f"no TCP answer within {timeouts.connect:g} s", "unreachable") from None
+        raise RemoteError(f"no TCP answer within {timeouts.connect:g} s", ProbeOutcome.UNREACHABLE) from None
     except OSError:
-        raise RemoteError("connection refused or no route to host", "unreachable") from None
+        raise RemoteError("connection refused or no route to host", ProbeOutcome.UNREACHABLE) from None
     t = paramiko.Transport(sock)
     t.set_log_channel(_PARAMIKO_LOG)
     t.banner_timeout = timeouts.banner
@@ -172,6 +184,6 @@ def fetch_host_key(host: Host, hosts_dir: Path, timeouts: Timeouts = Timeouts())
         t.start_client(timeout=timeouts.banner)
         return t.get_remote_server_key()
     except (paramiko.SSHException, EOFError, OSError):
-        raise RemoteError(f"TCP accepted but no SSH answer within {timeouts.banner:g} s", "timeout") from None
+        raise RemoteError(f"TCP accepted but no SSH answer within {timeouts.banner:g} s", ProbeOutcome.TIMEOUT) from None
     finally:
         t.close()

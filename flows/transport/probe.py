@@ -18,13 +18,13 @@ from engine.schema import loads_untrusted
 from flows.inventory.files import load_specs
 from flows.inventory.hosts import Host
 from flows.inventory.keys import fingerprint
-from flows.transport.connect import Outcome, RemoteError, Timeouts
+from flows.transport.connect import ProbeOutcome, RemoteError, Timeouts
 from flows.transport.remote import Remote
 
 
 class ProbeResult(BaseModel):
     host: str
-    outcome: Outcome
+    outcome: ProbeOutcome
     detail: str
     elapsed_s: float
     pinned_fingerprints: list[str]
@@ -120,7 +120,7 @@ def probe(host: Host, hosts_dir: Path, timeouts: Timeouts = Timeouts()) -> Probe
     start = time.monotonic()
     pinned = host.fingerprints()
 
-    def result(outcome: Outcome, detail: str, presented: str | None = None, **kw: Any) -> ProbeResult:
+    def result(outcome: ProbeOutcome, detail: str, presented: str | None = None, **kw: Any) -> ProbeResult:
         return ProbeResult(
             host=host.name, outcome=outcome, detail=detail, elapsed_s=round(time.monotonic() - start, 3),
             pinned_fingerprints=pinned, presented_fingerprint=presented, **kw,
@@ -133,15 +133,15 @@ def probe(host: Host, hosts_dir: Path, timeouts: Timeouts = Timeouts()) -> Probe
         try:
             res = remote.run([host.python, "-c", _FACTS, host.work_dir], timeout_s=timeouts.command)
         except (RemoteError, paramiko.SSHException, OSError, EOFError) as e:
-            return result("timeout", f"no answer to the fact-finding command: {type(e).__name__}", presented)
+            return result(ProbeOutcome.TIMEOUT, f"no answer to the fact-finding command: {type(e).__name__}", presented)
         if res.timed_out:
-            return result("timeout", f"fact-finding command took over {timeouts.command:g} s", presented)
+            return result(ProbeOutcome.TIMEOUT, f"fact-finding command took over {timeouts.command:g} s", presented)
     except RemoteError as e:
-        return result(e.outcome or "unreachable", str(e), e.presented_fingerprint)
+        return result(e.outcome or ProbeOutcome.UNREACHABLE, str(e), e.presented_fingerprint)
     finally:
         remote.close()
     facts = _parse_facts(res.stdout)
     spec = load_specs(Path(hosts_dir)).get(host.spec)
     mismatches = _mismatches(host, facts, spec.gpu if spec and host.arch != "cpu" else None)
     detail = "connected" + (f"; {len(mismatches)} mismatch(es) with the inventory" if mismatches else "")
-    return result("ok", detail, presented, facts=facts, mismatches=mismatches)
+    return result(ProbeOutcome.OK, detail, presented, facts=facts, mismatches=mismatches)

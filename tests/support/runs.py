@@ -7,12 +7,13 @@ shapes (an INT4 routed expert = 3 x 7168 x 2048 weights = 24.77 MB with scales).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import shutil
 from pathlib import Path
 
-import pyarrow as pa
-
-from engine.schema import read_table, to_table, write_table
+from engine.schema import provenance, read_table, to_table, write_table
 from flows.analysis.backtest import BacktestRow
 
 EXPERT_BYTES = 24.77e6
@@ -128,15 +129,6 @@ def evidence(spread: float, n: int = 8,
             for kind, fam in carries]
 
 
-def test_synthetic_run_is_schema_valid(tmp_path: Path) -> None:
-    out = write_run(tmp_path / "ref")
-    for name in ("runs", "kernels", "e2e", "comm"):
-        assert isinstance(read_table(out / f"{name}.arrow"), pa.Table)
-    moe = [r for r in read_table(out / "kernels.arrow").to_pylist() if r["kernel"] == "moe_w4a16"]
-    # the unique-expert count follows the K2 top-8-of-384 expectation
-    assert [r["unique_experts"] for r in moe[:4]] == [8, 16, 31, 60]
-
-
 # -- model level (schema 3): e2e rows at full depth and at a TP-8 rank ----------------------------
 
 FULL, HEAD_BYTES = 61, 163840 * 7168 * 2.0
@@ -199,3 +191,22 @@ def write_suites(out: Path, prov: dict, kern: list[dict], e2e: list[dict], bw: f
     write_table(out, to_table("runs", [{**base, "suite": s, "points": n}
                                        for s, n in (("kernels", len(kern)), ("e2e", len(e2e)))], prov))
     return out
+
+
+def rewrite_table(run_dir: Path, table: str, change) -> None:
+    """Rewrite one table of a written run: change(rows) -> rows."""
+    t = read_table(run_dir / f"{table}.arrow")
+    write_table(run_dir, to_table(table, change([dict(r) for r in t.to_pylist()]), provenance(t)))
+
+
+def old_layout_run(root: Path, src: Path, host: str, run_id: str, index: list[dict]) -> Path:
+    """What the old Store wrote: runs/host=<h>/run=<id>/<table>.arrow, a _manifest.json, an index line."""
+    leaf = root / "runs" / f"host={host}" / f"run={run_id}"
+    leaf.mkdir(parents=True)
+    sums = {}
+    for f in sorted(src.glob("*.arrow")):
+        shutil.copy(f, leaf / f.name)
+        sums[f.name] = hashlib.sha256(f.read_bytes()).hexdigest()
+    (leaf / "_manifest.json").write_text(json.dumps({"files": sums}, indent=1, sort_keys=True))
+    index.append({"host": host, "run_id": run_id, "source": "measured", "status": "complete"})
+    return leaf

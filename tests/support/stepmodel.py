@@ -5,7 +5,7 @@ the MoE's compute rate one for both shape classes), the tree kernels a known cur
 e2e row is built here from those formulas (not from flows.analysis.stepmodel): each family's suite time times a
 known in-step factor, gpu_other = a fixed part + a x tokens-dependent part per layer, host time =
 fixed + per layer. So a step model that composes correctly must give the rows back, and its
-calibration must find the factors. Written with engine.schema (test_projection_synth.write_suites).
+calibration must find the factors. Written with engine.schema (support.runs.write_suites).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from engine.config import K2_MINI, make_config
 from engine.costs import (build_tree_cost, dense_op_cost, dense_op_rows, dense_ops, expected_experts, mla_cost,
                           moe_cost, tree_accept_cost)
 
-from test_projection_synth import write_suites
+from support.runs import write_suites
 
 CFG = K2_MINI
 RUN_ID = "mini-1"
