@@ -26,7 +26,8 @@ demo: venv sshd
 test: venv sshd
 	$(BIN)/python -m pytest
 
-# start-up time of `kdbench --help` and `kdbench hosts list` (a benchmark, not a test)
+# start-up time of `kdbench --help` and `kdbench hosts list`, each also as a multiple of `python -c pass`
+# (a benchmark, not a test)
 bench-cli: venv
 	$(BIN)/python tests/bench_cli_startup.py
 

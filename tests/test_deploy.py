@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from flows import REPO
 from flows.inventory.files import update_host
-from flows.pipelines.settings import REPO
 from flows.transport import deploy
 from flows.transport.remote import Remote
 

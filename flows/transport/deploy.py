@@ -31,9 +31,9 @@ from typing import Callable
 from pydantic import BaseModel
 
 from engine.schema import loads_untrusted
+from flows import REPO
 from flows.inventory.files import display_path, host_path
 from flows.inventory.hosts import Host
-from flows.pipelines.settings import REPO
 from flows.transport.remote import Remote
 
 PAYLOAD_DIRS = ("engine", "kernels")
