@@ -21,12 +21,13 @@ sshd:
 	@test -x /usr/sbin/sshd || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server; }
 
 demo: venv sshd
-	$(BIN)/python -m flows.demo
+	$(BIN)/python -m flows.pipelines.demo
 
 test: venv sshd
 	$(BIN)/python -m pytest
 
-# start-up time of `kdbench --help` and `kdbench hosts list` (a benchmark, not a test)
+# start-up time of `kdbench --help` and `kdbench hosts list`, each also as a multiple of `python -c pass`
+# (a benchmark, not a test)
 bench-cli: venv
 	$(BIN)/python tests/bench_cli_startup.py
 

@@ -39,15 +39,17 @@ import pyarrow as pa
 from engine.config import CONFIGS
 from engine.schema import SchemaError, provenance
 from flows import plots
-from flows.backtest import BacktestRow, goal_gap, stored_backtest
-from flows.families import DENSE, e2e_key, family, host_side, label, point_key, preferred, regime, tp_of
-from flows.inventory import INDEX_PAGE, Host, Inventory, InventoryError, Spec, host_status_text, is_page_name
-from flows.projection import TERMS, breakdown
-from flows.reference import is_outside
-from flows.scrub import leaks, md, plain, redact
-from flows.store import Store, StoreError, check_name
+from flows.analysis.backtest import BacktestRow, goal_gap, stored_backtest
+from flows.analysis.families import DENSE, e2e_key, family, host_side, label, point_key, preferred, regime, tp_of
+from flows.analysis.projection import TERMS, breakdown
+from flows.analysis.reference import is_outside
+from flows.analysis.whatif import SUITE as WHATIF, stored_whatif
+from flows.inventory.files import host_status_text
+from flows.inventory.hosts import INDEX_PAGE, Host, Inventory, InventoryError, Spec, is_page_name
+from flows.inventory.scrub import leaks, md, plain, redact
 from flows.notes_whatif import WhatIfView, whatif_view
-from flows.whatif import SUITE as WHATIF, stored_whatif
+from flows.store.layout import StoreError, check_name
+from flows.store.store import Store
 
 NOISE = 0.05            # smallest change flagged as a regression, on top of the measured p10-p90 spread
 PLATEAU = 0.9           # plateau M: first M reaching this fraction of the best MoE bandwidth

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from engine.schema import provenance
-from flows.scrub import md
+from flows.inventory.scrub import md
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,21 @@
-"""Shared fixtures: real loopback sshd sandbox hosts that are always brought down again."""
+"""Shared fixtures: the inventory (read-only, or a copy to edit) and real loopback sshd sandbox hosts that are
+always brought down again. The synthetic runs tests write live in tests/support/."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import pytest
 
-from flows import sandbox as sandbox_mod
-from flows.inventory import Host, Inventory, load_host, load_inventory
+from flows import REPO
+from flows.inventory.files import load_host, load_inventory
+from flows.inventory.hosts import Host, Inventory
+from flows.store.store import Store
+from flows.transport import sandbox as sandbox_mod
+from support.runs import model_run, write_run
 
 
 @dataclass
@@ -65,4 +71,26 @@ def sandbox(sandbox_factory: Callable[..., SandboxHosts]) -> SandboxHosts:
 @pytest.fixture(scope="session")
 def inv() -> Inventory:
     """The repo's own inventory (hosts/ and its spec sheets), read once."""
-    return load_inventory(Path(__file__).resolve().parents[1] / "hosts")
+    return load_inventory(REPO / "hosts")
+
+
+@pytest.fixture
+def inv_dir(tmp_path: Path) -> Path:
+    """A copy of the repo's hosts/ (host files, spec sheets; no lock files) that a test may edit."""
+    d = tmp_path / "hosts"
+    shutil.copytree(REPO / "hosts", d, ignore=shutil.ignore_patterns(".locks"))
+    return d
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    """A fresh store whose H200 reference is the synthetic kernel-level run (support.runs.write_run)."""
+    write_run(tmp_path / "art" / "reference" / "h200")
+    return Store(str(tmp_path / "art"))
+
+
+@pytest.fixture
+def model_store(tmp_path: Path) -> Store:
+    """A fresh store whose H200 reference is the synthetic model-level run (support.runs.model_run)."""
+    model_run(tmp_path / "art" / "reference" / "h200")
+    return Store(str(tmp_path / "art"))

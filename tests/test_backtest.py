@@ -11,22 +11,14 @@ import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
-from flows.backtest import (GOAL_IN_BAND, BacktestRow, composition, depth, goal_gap, refresh, size,
-                            stored_backtest, tensor_parallel, trend)
-from flows.cli import app
-from flows.inventory import Inventory
+from flows import REPO
+from flows.analysis.backtest import (GOAL_IN_BAND, BacktestRow, composition, depth, goal_gap, refresh, size,
+                                     stored_backtest, tensor_parallel, trend)
+from flows.analysis.reference import load_reference
+from flows.cli.app import app
+from flows.inventory.hosts import Inventory
 from flows.notes import render_notes
-from flows.reference import load_reference
-from flows.store import Store
-from test_projection_synth import write_run
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture()
-def store(tmp_path: Path) -> Store:
-    write_run(tmp_path / "art" / "reference" / "h200")
-    return Store(str(tmp_path / "art"))
+from flows.store.store import Store
 
 
 def _scaled(tables: dict, pred, factor: float) -> dict:

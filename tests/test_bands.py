@@ -1,4 +1,4 @@
-"""Bands from evidence (flows.bands): conformal edges widened to a t prediction interval, unknown under
+"""Bands from evidence (flows.analysis.bands): conformal edges widened to a t prediction interval, unknown under
 five held-out points, one configuration's points counted once, carries combined, and a projected
 figure's band following the evidence its carries have."""
 
@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-import stepmodel_synth as synth
-from flows.backtest import BacktestRow
-from flows.bands import MIN_POINTS, combine, edges, jackknife, step_band, t_quantile
-from flows.inventory import Inventory
-from flows.reference import load_reference, machine_of
-from flows.stepmodel import Query, answer, build
-from flows.store import Store
+from support import stepmodel as synth
+from flows.analysis.backtest import BacktestRow
+from flows.analysis.bands import MIN_POINTS, combine, edges, jackknife, step_band, t_quantile
+from flows.analysis.reference import load_reference, machine_of
+from flows.analysis.stepmodel import Query, answer, build
+from flows.inventory.hosts import Inventory
+from flows.store.store import Store
 
 
 def _ratios(n: int, spread: float) -> list[float]:

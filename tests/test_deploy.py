@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from flows import deploy
-from flows.inventory import update_host
-from flows.settings import REPO
-from flows.ssh import Remote
+from flows import REPO
+from flows.inventory.files import update_host
+from flows.transport import deploy
+from flows.transport.remote import Remote
 
 log = logging.getLogger("test_deploy")
 

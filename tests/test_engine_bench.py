@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 
 from engine import bench_kernels, comm_model, costs, schema
-
-ROOT = Path(__file__).resolve().parents[1]
+from flows import REPO
 
 
 def _bench(out: Path, suite: str, *extra: str, profile: str = "smoke") -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "engine.bench", "--suite", suite, "--profile", profile, "--host", "sb-1",
            "--out", str(out), "--run-id", "run-1", "--payload-hash", "abc123", *extra]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
 
 
 def _events(stdout: str) -> list[dict]:
@@ -152,7 +151,7 @@ def test_killed_run_leaves_readable_partial_files(tmp_path, sig):
     """Stop the (slower) full e2e on the CPU after its first point."""
     cmd = [sys.executable, "-m", "engine.bench", "--suite", "e2e", "--profile", "full", "--host", "sb-1",
            "--out", str(tmp_path), "--run-id", "run-k"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         for line in proc.stdout:
@@ -198,7 +197,7 @@ def test_a_saved_point_is_announced_when_sigterm_arrives_while_it_is_written(tmp
 
 def test_build_cpu_checks_references(tmp_path):
     r = subprocess.run([sys.executable, "-m", "engine.build", "--arch", "cpu", "--out", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     body = json.loads((tmp_path / "build.json").read_text())
     assert body["arch_asked"] == "cpu" and body["device_found"]["device"] == "cpu"
@@ -236,7 +235,7 @@ def test_build_compares_the_moe_at_each_kind_of_config_of_both_shape_classes():
     (["-m", "engine.bench", "--suite", "e2e", "--profile", "smoke", "--host", "h", "--comm-model", "{"], "--comm-model: not JSON"),
 ])
 def test_bad_arch_device_or_usage_exit_2(tmp_path, argv, needle):
-    r = subprocess.run([sys.executable, *argv, "--out", str(tmp_path / "o")], cwd=ROOT,
+    r = subprocess.run([sys.executable, *argv, "--out", str(tmp_path / "o")], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr

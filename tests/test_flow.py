@@ -24,10 +24,10 @@ import pyarrow.dataset as ds
 import pytest
 
 from engine.schema import SchemaError, read_table
-from flows import sandbox as sandbox_mod
-from flows.inventory import load_host, retire, update_host
-from flows.serve import spawn_serve, stop_process, wait_for_deployment
-from flows.store import Store
+from flows.inventory.files import load_host, retire, update_host
+from flows.pipelines.server import spawn_serve, stop_process, wait_for_deployment
+from flows.store.store import Store
+from flows.transport import sandbox as sandbox_mod
 
 pytestmark = pytest.mark.integration
 
@@ -320,7 +320,7 @@ def test_hostile_payload_is_contained_and_earlier_runs_survive(world: dict, meas
     import shutil
     import tarfile
 
-    from flows import deploy as deploy_mod
+    from flows.transport import deploy as deploy_mod
 
     host = load_host(world["hosts"], "f3")
     payload = deploy_mod.build_payload(tmp_path)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flows.sandbox import free_port
+from flows.transport.sandbox import free_port
 
 KDBENCH = str(Path(sys.executable).parent / "kdbench")
 

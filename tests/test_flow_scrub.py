@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from flows import bench_flow
-from flows.inventory import Host
-from flows.pull import Pulled
-from flows.ssh import ProbeResult
+from flows.inventory.hosts import Host
+from flows.pipelines import tasks
+from flows.transport.probe import ProbeResult
+from flows.transport.pull import Pulled
 
 HOST = Host(name="box", address="gpu-box.lab.internal", port=22, user="alice", key_file="id_box", spec="h200-sxm",
             gpus=1, arch="sm_90", interconnect="none", python="python3", work_dir="kdbench")
@@ -19,7 +19,7 @@ SECRETS = ("gpu-box", "GPU-BOX", "10.9.8.7", "fe80::1", "alice@")
 
 @pytest.fixture
 def logged(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    monkeypatch.setattr(bench_flow, "get_run_logger", lambda: logging.getLogger("test_flow_scrub"))
+    monkeypatch.setattr(tasks, "get_run_logger", lambda: logging.getLogger("test_flow_scrub"))
     caplog.set_level(logging.INFO, logger="test_flow_scrub")
     return caplog
 
@@ -28,8 +28,8 @@ def test_probe_mismatches_are_logged_scrubbed(monkeypatch: pytest.MonkeyPatch, l
     res = ProbeResult(host="box", outcome="ok", detail="connected", elapsed_s=0.1, pinned_fingerprints=[],
                       mismatches=["gpu: spec says H200, host has GPU-BOX.lab.internal at 10.9.8.7",
                                   "driver: fe80::1ff:fe23:4567:890a via alice@gw"])
-    monkeypatch.setattr(bench_flow, "probe", lambda host, hosts_dir: res)
-    assert bench_flow.probe_host.fn(HOST, Path(".")) is res
+    monkeypatch.setattr(tasks, "probe", lambda host, hosts_dir: res)
+    assert tasks.probe_host.fn(HOST, Path(".")) is res
     text = logged.text
     # rich markup escaped (a log record is rendered by `prefect ... --watch`): [redacted] shows as written
     assert r"inventory mismatch on box: gpu: spec says H200, host has \[redacted] at \[redacted]" in text
@@ -41,12 +41,12 @@ def test_quarantine_reasons_are_logged_scrubbed(monkeypatch: pytest.MonkeyPatch,
     pulled = Pulled(accepted_dir=tmp_path, accepted=[],
                     quarantined={"'10.9.8.7.arrow'": "unexpected file name (not fetched)",
                                  "kernels.arrow": "column 'gpu' holds GPU-BOX.lab\u200b.internal, alice@gw"})
-    monkeypatch.setattr(bench_flow, "pull", lambda remote, out_dir, staging, host, run_id: pulled)
+    monkeypatch.setattr(tasks, "pull", lambda remote, out_dir, staging, host, run_id: pulled)
 
     class FakeRemote:
         host = HOST
 
-    bench_flow.pull_results.fn(FakeRemote(), "box", "run1", "out", tmp_path)
+    tasks.pull_results.fn(FakeRemote(), "box", "run1", "out", tmp_path)
     text = logged.text
     assert r"quarantined '\[redacted].arrow'" in text and r"quarantined kernels.arrow: column 'gpu' holds \[redacted]" in text
     assert not any(s in text for s in SECRETS)

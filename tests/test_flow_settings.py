@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.settings import Settings, SettingsError
+from flows.pipelines.settings import Settings, SettingsError
 
 
 def _env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:

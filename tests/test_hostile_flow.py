@@ -16,15 +16,15 @@ from typing import Iterator
 import pytest
 from rich.text import Text
 
-from flows import sandbox as sandbox_mod
-from flows.bench_flow import ARTIFACT_LINE
-from flows.progress import HEAD_LINES, TAIL_LINES
-from flows.scrub import LINE_CAP
+from flows import REPO
+from flows.inventory.scrub import LINE_CAP
+from flows.pipelines.progress import HEAD_LINES, TAIL_LINES
+from flows.pipelines.tasks import ARTIFACT_LINE
+from flows.transport import sandbox as sandbox_mod
 
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[1]
 LINES = 1300
 # The host's "python": whatever it is asked to run, it prints far too much, then every trick it has.
 HOSTILE = r"""
@@ -89,12 +89,13 @@ FLOW = r"""
 import sys
 from pathlib import Path
 from prefect import flow
-from flows import bench_flow
-from flows.bench_flow import BuildFailed, RunReport, SuiteResult, bench_suite, build
-from flows.deploy import Deployed
-from flows.inventory import load_host
-from flows.settings import Settings
-from flows.ssh import Remote
+from flows.inventory.files import load_host
+from flows.pipelines import bench as bench_flow
+from flows.pipelines.bench import RunReport
+from flows.pipelines.settings import Settings
+from flows.pipelines.tasks import BuildFailed, SuiteResult, bench_suite, build
+from flows.transport.deploy import Deployed
+from flows.transport.remote import Remote
 
 @flow(name="hostile-output")
 def hostile_output(hosts_dir: str, name: str, python: str, out_dir: str) -> None:

@@ -16,13 +16,13 @@ import pyarrow.ipc as ipc
 import pytest
 
 from engine.schema import MAX_ROWS, SchemaError, read_table, to_table, write_manifest, write_table
-from flows import pull as pull_mod
-from flows import ssh
 from flows.notes import measured_runs
-from flows.pull import pull, quarantine, record_unfinished
-from flows.sandbox import _alive
-from flows.ssh import Remote, TransferError, _Capture
-from flows.store import Store
+from flows.store.store import Store
+from flows.transport import pull as pull_mod
+from flows.transport import remote as ssh
+from flows.transport.pull import pull, quarantine, record_unfinished
+from flows.transport.remote import Remote, TransferError, _Capture
+from flows.transport.sandbox import _alive
 
 pytestmark = pytest.mark.integration
 

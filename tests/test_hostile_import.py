@@ -11,14 +11,14 @@ import pytest
 from typer.testing import CliRunner
 
 from engine.schema import read_table
-from flows.cli import app
-from flows.importer import ImportFileError, import_file
-from flows.inventory import Inventory
-from flows.reference import is_outside
-from flows.store import Store
-from test_projection_synth import write_run
+from flows import REPO
+from flows.analysis.importer import ImportFileError, import_file
+from flows.analysis.reference import is_outside
+from flows.cli.app import app
+from flows.inventory.hosts import Inventory
+from flows.store.store import Store
+from support.runs import write_run
 
-REPO = Path(__file__).resolve().parents[1]
 PROV = {"machine": "1x test GPU", "date": "2026-11-01", "source": "a test", "host": "pro6000"}
 SERVING = [{"concurrency": 1, "tokens_per_s": 10.0}]
 MOE = {"kernel": "moe_w4a16", "M": 1, "time_us": 150}

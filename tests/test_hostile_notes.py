@@ -17,14 +17,15 @@ import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
+from flows import REPO
 from flows import notes as notes_mod
-from flows.cli import app
-from flows.inventory import Inventory, load_inventory
+from flows.cli.app import app
+from flows.inventory.files import load_inventory
+from flows.inventory.hosts import Inventory
 from flows.notes import render_notes
-from flows.store import MANIFESTS, Store, parquet_bytes
-from test_projection_synth import model_run, write_run
-
-REPO = Path(__file__).resolve().parents[1]
+from flows.store.layout import MANIFESTS, parquet_bytes
+from flows.store.store import Store
+from support.runs import model_run, write_run
 
 
 def _tamper(art: Path, host: str, run_id: str, table: str, change: Callable[[dict[str, Any]], dict[str, Any]]) -> None:

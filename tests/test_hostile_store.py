@@ -20,13 +20,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.schema import MAX_ROWS, SchemaError, read_table
-from flows import store as store_mod
-from flows.store import MANIFESTS, Store, StoreError, parquet_bytes
-from flows.store_migrate import migrate
-from test_projection_synth import write_run
-from test_store import _old_layout_run
-
-REPO = Path(__file__).resolve().parents[1]
+from flows import REPO
+from flows.store import store as store_mod
+from flows.store.layout import MANIFESTS, StoreError, parquet_bytes
+from flows.store.migrate import migrate
+from flows.store.store import Store
+from support.runs import old_layout_run, write_run
 
 
 # -- migrate, killed at any point ---------------------------------------------------------------
@@ -79,7 +78,7 @@ def old_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[tupl
     runs = {("h200", "h200-a"): write_run(tmp / "a", host="h200", run_id="h200-a"),
             ("pro6000", "p-b"): write_run(tmp / "b", host="pro6000", run_id="p-b", with_comm=False)}
     for (host, run_id), src in runs.items():
-        leaf = _old_layout_run(art, src, host, run_id, index)
+        leaf = old_layout_run(art, src, host, run_id, index)
     (leaf / "notes.txt").write_text("an operator's file\n")
     (art / "runs" / "_index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in index))
     return art, runs
@@ -126,7 +125,7 @@ def test_a_second_migration_is_refused_while_one_runs(old_store: tuple[Path, dic
     art = tmp_path / "art"
     shutil.copytree(src, art)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from flows.store import Store; from flows.store_migrate import exclusive\n"
+        [sys.executable, "-c", "import sys; from flows.store.store import Store; from flows.store.migrate import exclusive\n"
                                f"with exclusive(Store({str(art)!r})):\n    print('held', flush=True); sys.stdin.read()"],
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

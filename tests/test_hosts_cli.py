@@ -4,25 +4,14 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
-from flows.inventory import load_host, load_inventory, update_host
-
-REPO_HOSTS = Path(__file__).resolve().parents[1] / "hosts"
-
-
-@pytest.fixture
-def inv_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "hosts"
-    shutil.copytree(REPO_HOSTS, d, ignore=shutil.ignore_patterns(".locks"))
-    (d / "id_test").write_text("key\n")
-    return d
+from flows.cli.app import app
+from flows.inventory.files import load_host, load_inventory, update_host
 
 
 def kd(*args: str, input: str | None = None):  # noqa: A002 - mirrors CliRunner
@@ -44,6 +33,7 @@ def test_hosts_env_var(inv_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_add_writes_file_without_pinned_key(inv_dir: Path) -> None:
+    (inv_dir / "id_test").write_text("key\n")
     args = ["hosts", "add", "newbox", "--address", "10.0.0.5", "--port", "2200", "--user", "bench",
             "--key", "id_test", "--spec", "b200-sxm", "--gpus", "8", "--arch", "sm_100",
             "--interconnect", "nvlink", "--hosts", str(inv_dir)]

@@ -13,17 +13,17 @@ from typer.testing import CliRunner
 from engine.config import K2
 from engine.costs import expected_experts, int4_expert_bytes
 from engine.schema import provenance, read_table
-from flows.backtest import refresh
-from flows.cli import app
-from flows.importer import ImportFileError, import_file
-from flows.inventory import Inventory
+from flows import REPO
+from flows.analysis.backtest import refresh
+from flows.analysis.importer import ImportFileError, import_file
+from flows.analysis.projection import assumptions, project
+from flows.analysis.reference import load_reference, machine_of, measured_datasets
+from flows.cli.app import app
+from flows.inventory.hosts import Inventory
 from flows.notes import gather, render_notes
-from flows.projection import assumptions, project
-from flows.reference import load_reference, machine_of, measured_datasets
-from flows.store import Store
-from test_projection_synth import write_run
+from flows.store.store import Store
+from support.runs import write_run
 
-REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "artifacts" / "reference" / "pro6000-published" / "source.json"
 PROV = {"machine": "1x test GPU", "date": "2026-11-01", "source": "a test", "host": "pro6000"}
 

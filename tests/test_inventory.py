@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import shutil
 import socket
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
-from flows.inventory import (
-    InventoryError, activate, default_hosts_dir, load_host, load_inventory, retire, update_host,
-)
-from flows.ssh import probe
+from flows import REPO
+from flows.cli.app import app
+from flows.inventory.files import activate, default_hosts_dir, load_host, load_inventory, retire, update_host
+from flows.inventory.hosts import InventoryError
+from flows.transport.connect import ProbeOutcome
+from flows.transport.probe import probe
 
-REPO_HOSTS = Path(__file__).resolve().parents[1] / "hosts"
 
 BOX = """\
 # A test box.  Comments must survive write-back.
@@ -40,17 +39,15 @@ notes: keep me
 
 
 @pytest.fixture
-def inv_dir(tmp_path: Path) -> Path:
-    """A copy of the shipped inventory plus one active host with a key file."""
-    d = tmp_path / "hosts"
-    shutil.copytree(REPO_HOSTS, d, ignore=shutil.ignore_patterns(".locks"))
-    (d / "id_box").write_text("not really a key\n")
-    (d / "box.yaml").write_text(BOX)
-    return d
+def box_dir(inv_dir: Path) -> Path:
+    """The copy of the shipped inventory plus one active host with a key file."""
+    (inv_dir / "id_box").write_text("not really a key\n")
+    (inv_dir / "box.yaml").write_text(BOX)
+    return inv_dir
 
 
 def test_shipped_inventory_loads() -> None:
-    inv = load_inventory(REPO_HOSTS)
+    inv = load_inventory(REPO / "hosts")
     assert {"pro6000", "b300", "h200"} <= set(inv.hosts)
     assert {"h200-sxm", "rtx-pro-6000-server", "b300-sxm", "b200-sxm", "cpu-sandbox"} <= set(inv.specs)
     pro, b300, h200 = inv.hosts["pro6000"], inv.hosts["b300"], inv.hosts["h200"]
@@ -65,7 +62,7 @@ def test_shipped_inventory_loads() -> None:
 
 def test_default_hosts_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("KDBENCH_HOSTS", raising=False)
-    assert default_hosts_dir() == REPO_HOSTS
+    assert default_hosts_dir() == REPO / "hosts"
     monkeypatch.setenv("KDBENCH_HOSTS", str(tmp_path))
     assert default_hosts_dir() == tmp_path
 
@@ -77,10 +74,10 @@ def test_placeholder_refused_before_any_network(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(socket, "create_connection", no_network)
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.setattr(socket, "getaddrinfo", no_network)
-    host = load_host(REPO_HOSTS, "pro6000")
+    host = load_host(REPO / "hosts", "pro6000")
     with pytest.raises(InventoryError, match=r"pro6000\.yaml.*address.*placeholder.*edit .*pro6000\.yaml"):
-        probe(host, REPO_HOSTS)
-    result = CliRunner().invoke(app, ["hosts", "trust", "pro6000", "--yes", "--hosts", str(REPO_HOSTS)])
+        probe(host, REPO / "hosts")
+    result = CliRunner().invoke(app, ["hosts", "trust", "pro6000", "--yes", "--hosts", str(REPO / "hosts")])
     assert result.exit_code == 2 and "placeholder" in result.output
 
 
@@ -111,9 +108,9 @@ def _make_bad(d: Path, case: str) -> str:
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CASES))
-def test_bad_inventory_one_clear_message_exit_2(inv_dir: Path, case: str) -> None:
-    fname = _make_bad(inv_dir, case)
-    result = CliRunner().invoke(app, ["hosts", "list", "--hosts", str(inv_dir)])
+def test_bad_inventory_one_clear_message_exit_2(box_dir: Path, case: str) -> None:
+    fname = _make_bad(box_dir, case)
+    result = CliRunner().invoke(app, ["hosts", "list", "--hosts", str(box_dir)])
     assert result.exit_code == 2, result.output
     msg = result.output
     assert "Traceback" not in msg
@@ -122,32 +119,32 @@ def test_bad_inventory_one_clear_message_exit_2(inv_dir: Path, case: str) -> Non
     assert (want.get(case) or BAD_CASES[case][2]) in " ".join(msg.split()), msg  # type: ignore[index]
 
 
-def test_write_back_keeps_comments_order_and_other_files(inv_dir: Path) -> None:
-    others = {p.name: p.read_bytes() for p in inv_dir.glob("*.yaml") if p.name != "box.yaml"}
+def test_write_back_keeps_comments_order_and_other_files(box_dir: Path) -> None:
+    others = {p.name: p.read_bytes() for p in box_dir.glob("*.yaml") if p.name != "box.yaml"}
     before_keys = [line.split(":")[0] for line in BOX.splitlines() if line and not line.startswith("#")]
-    h = retire(inv_dir, "box", "host_key_changed", presented_host_key_fingerprint="SHA256:abc")
+    h = retire(box_dir, "box", "host_key_changed", presented_host_key_fingerprint="SHA256:abc")
     assert (h.status, h.retired_reason, h.presented_host_key_fingerprint) == ("retired", "host_key_changed",
                                                                                "SHA256:abc")
-    text = (inv_dir / "box.yaml").read_text()
+    text = (box_dir / "box.yaml").read_text()
     for comment in ("# A test box.  Comments must survive write-back.", "# loopback only", "# single GPU",
                     "# trailing comment before notes"):
         assert comment in text
     keys = [line.split(":")[0] for line in text.splitlines() if line and not line.startswith(("#", " ", "-"))]
     assert keys[: len(before_keys)] == before_keys  # existing keys keep their order, new ones go after
-    assert load_host(inv_dir, "box").retired_at is not None
-    assert {p.name: p.read_bytes() for p in inv_dir.glob("*.yaml") if p.name != "box.yaml"} == others
-    assert sorted(p.name for p in inv_dir.glob("*.tmp")) == []
-    h = activate(inv_dir, "box")
+    assert load_host(box_dir, "box").retired_at is not None
+    assert {p.name: p.read_bytes() for p in box_dir.glob("*.yaml") if p.name != "box.yaml"} == others
+    assert sorted(p.name for p in box_dir.glob("*.tmp")) == []
+    h = activate(box_dir, "box")
     assert (h.status, h.retired_reason, h.retired_at) == ("active", None, None)
 
 
-def test_update_rejects_bad_values_and_leaves_file(inv_dir: Path) -> None:
-    before = (inv_dir / "box.yaml").read_bytes()
+def test_update_rejects_bad_values_and_leaves_file(box_dir: Path) -> None:
+    before = (box_dir / "box.yaml").read_bytes()
     with pytest.raises(InventoryError, match="box.yaml.*field 'port'"):
-        update_host(inv_dir, "box", port=0)
+        update_host(box_dir, "box", port=0)
     with pytest.raises(InventoryError, match="field 'colour': unknown field"):
-        update_host(inv_dir, "box", colour="red")
-    assert (inv_dir / "box.yaml").read_bytes() == before
+        update_host(box_dir, "box", colour="red")
+    assert (box_dir / "box.yaml").read_bytes() == before
 
 
 def _writer(d: str, field: str, n: int, barrier: "mp.synchronize.Barrier") -> None:
@@ -156,19 +153,19 @@ def _writer(d: str, field: str, n: int, barrier: "mp.synchronize.Barrier") -> No
         update_host(Path(d), "box", **{field: (f"w{i}" if field == "notes" else i)})
 
 
-def test_concurrent_writes_lose_nothing(inv_dir: Path) -> None:
+def test_concurrent_writes_lose_nothing(box_dir: Path) -> None:
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(2)
     n = 25
-    procs = [ctx.Process(target=_writer, args=(str(inv_dir), f, n, barrier)) for f in ("notes", "unreachable_runs")]
+    procs = [ctx.Process(target=_writer, args=(str(box_dir), f, n, barrier)) for f in ("notes", "unreachable_runs")]
     for p in procs:
         p.start()
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    h = load_host(inv_dir, "box")
+    h = load_host(box_dir, "box")
     assert (h.notes, h.unreachable_runs) == (f"w{n - 1}", n - 1)
-    assert "# loopback only" in (inv_dir / "box.yaml").read_text()
+    assert "# loopback only" in (box_dir / "box.yaml").read_text()
 
 
 def _bomb(levels: int = 6, width: int = 6) -> str:
@@ -178,38 +175,38 @@ def _bomb(levels: int = 6, width: int = 6) -> str:
     return "\n".join(lines) + f"\nnotes: *a{levels}\n"
 
 
-def test_yaml_alias_bomb_gives_a_short_message(inv_dir: Path) -> None:
+def test_yaml_alias_bomb_gives_a_short_message(box_dir: Path) -> None:
     text = BOX.replace("notes: keep me\n", "") + _bomb()
     assert len(text.encode()) < 1024
-    (inv_dir / "box.yaml").write_text(text)
-    result = CliRunner().invoke(app, ["hosts", "list", "--hosts", str(inv_dir)])
+    (box_dir / "box.yaml").write_text(text)
+    result = CliRunner().invoke(app, ["hosts", "list", "--hosts", str(box_dir)])
     assert result.exit_code == 2 and "box.yaml" in result.output
     assert "anchors and aliases are not allowed" in " ".join(result.output.split())
     assert len(result.output) < 500
 
 
-def test_long_bad_values_are_quoted_short(inv_dir: Path) -> None:
-    (inv_dir / "box.yaml").write_text(BOX.replace("notes: keep me", "notes: [" + ", ".join(["x" * 50] * 200) + "]"))
+def test_long_bad_values_are_quoted_short(box_dir: Path) -> None:
+    (box_dir / "box.yaml").write_text(BOX.replace("notes: keep me", "notes: [" + ", ".join(["x" * 50] * 200) + "]"))
     with pytest.raises(InventoryError, match="field 'notes'") as e:
-        load_inventory(inv_dir)
+        load_inventory(box_dir)
     assert len(str(e.value)) < 400
 
 
 @pytest.mark.parametrize("field, value", [("work_dir", "-rf"), ("work_dir", "--help"), ("python", "-c"),
                                           ("work_dir", '"kd\\nbench"')])
-def test_option_like_or_control_paths_are_refused(inv_dir: Path, field: str, value: str) -> None:
+def test_option_like_or_control_paths_are_refused(box_dir: Path, field: str, value: str) -> None:
     line = next(x for x in BOX.splitlines() if x.startswith(f"{field}:"))
-    (inv_dir / "box.yaml").write_text(BOX.replace(line, f"{field}: {value}"))
-    result = CliRunner().invoke(app, ["hosts", "list", "--hosts", str(inv_dir)])
+    (box_dir / "box.yaml").write_text(BOX.replace(line, f"{field}: {value}"))
+    result = CliRunner().invoke(app, ["hosts", "list", "--hosts", str(box_dir)])
     assert result.exit_code == 2 and "box.yaml" in result.output and f"field '{field}'" in result.output
 
 
-def test_names_with_a_trailing_newline_are_refused(inv_dir: Path) -> None:
-    from flows.ssh import remote_command
-    from flows.store import StoreError, check_name
+def test_names_with_a_trailing_newline_are_refused(box_dir: Path) -> None:
+    from flows.store.layout import StoreError, check_name
+    from flows.transport.remote import remote_command
 
     with pytest.raises(InventoryError, match="not a safe identifier"):
-        load_host(inv_dir, "box\n")
+        load_host(box_dir, "box\n")
     with pytest.raises(StoreError):
         check_name("host", "box\n")
     with pytest.raises(ValueError, match="bad environment variable name"):
@@ -219,19 +216,27 @@ def test_names_with_a_trailing_newline_are_refused(inv_dir: Path) -> None:
 
 @pytest.mark.timeout(60)  # a guard, not a speed goal: the unbounded scan of a 64 KiB file took 412 s
 @pytest.mark.parametrize("doc", ["notes: " + "[" * 1000 + "]" * 1000 + "\n", "[" * 65_000])
-def test_deep_yaml_gives_a_short_message(inv_dir: Path, doc: str) -> None:
+def test_deep_yaml_gives_a_short_message(box_dir: Path, doc: str) -> None:
     """N3: deep nesting escaped as a RecursionError (a 214 KB traceback from every command), and the
     anchor check's event scan was quadratic in the depth."""
-    (inv_dir / "box.yaml").write_text(BOX.replace("notes: keep me\n", "") + doc if doc.startswith("notes") else doc)
-    result = CliRunner().invoke(app, ["hosts", "list", "--hosts", str(inv_dir)])
+    (box_dir / "box.yaml").write_text(BOX.replace("notes: keep me\n", "") + doc if doc.startswith("notes") else doc)
+    result = CliRunner().invoke(app, ["hosts", "list", "--hosts", str(box_dir)])
     assert result.exit_code == 2 and "box.yaml" in result.output, result.output[-500:]
     assert "nested deeper than 16 levels" in " ".join(result.output.split())
     assert len(result.output) < 500 and "Traceback" not in result.output
 
 
-def test_a_host_cannot_be_named_like_the_notes_index(inv_dir: Path) -> None:
+def test_a_host_cannot_be_named_like_the_notes_index(box_dir: Path) -> None:
     """N15: the fleet index is docs/notes/README.md; a host `readme` would share its file on a
     case-insensitive checkout (upper case is no host name at all)."""
-    (inv_dir / "readme.yaml").write_text(BOX.replace("name: box", "name: readme"))
+    (box_dir / "readme.yaml").write_text(BOX.replace("name: box", "name: readme"))
     with pytest.raises(InventoryError, match="readme.yaml: field 'name': 'readme' is the name of a page the notes index"):
-        load_inventory(inv_dir)
+        load_inventory(box_dir)
+
+
+def test_a_probe_outcome_retires_a_host_with_its_plain_value(box_dir: Path) -> None:
+    """The flow retires a host with the probe's outcome (a StrEnum): the YAML holds the plain word."""
+    retire(box_dir, "box", ProbeOutcome.UNAUTHORIZED)
+    text = (box_dir / "box.yaml").read_text()
+    assert "retired_reason: unauthorized" in text and "ProbeOutcome" not in text
+    assert load_host(box_dir, "box").retired_reason == "unauthorized"

@@ -12,22 +12,23 @@ from pathlib import Path
 import pytest
 
 from engine.schema import provenance, read_table, to_table, write_table
-from flows.backtest import refresh
-from flows.inventory import Inventory, load_inventory, update_host
+from flows import REPO
+from flows.analysis.backtest import refresh
+from flows.analysis.reference import project_host
+from flows.inventory.files import load_inventory, update_host
+from flows.inventory.hosts import Inventory
+from flows.inventory.scrub import leaks
 from flows.notes import NotesError, commit_notes, gather, notes_message, render_notes, summary_lines
-from flows.scrub import leaks
-from flows.reference import project_host
-from flows.store import Store
-from test_projection_synth import write_run
+from flows.store.store import Store
+from support.runs import write_run
 
-REPO = Path(__file__).resolve().parents[1]
 SECRETS = {"address": "10.20.30.40", "user": "alice", "key_file": "/home/alice/.ssh/id_ed25519"}
 
 
 @pytest.fixture(scope="module")
-def inv(tmp_path_factory: pytest.TempPathFactory) -> Inventory:
+def secret_inv(tmp_path_factory: pytest.TempPathFactory) -> Inventory:
     """The shipped inventory with real-looking address, user and key path, which must never surface."""
-    hosts = tmp_path_factory.mktemp("inv") / "hosts"
+    hosts = tmp_path_factory.mktemp("secret_inv") / "hosts"
     shutil.copytree(REPO / "hosts", hosts)
     for name in ("h200", "b300"):
         update_host(hosts, name, **SECRETS)
@@ -35,12 +36,12 @@ def inv(tmp_path_factory: pytest.TempPathFactory) -> Inventory:
 
 
 @pytest.fixture(scope="module")
-def rendered(tmp_path_factory: pytest.TempPathFactory, inv: Inventory) -> tuple[Store, Path]:
+def rendered(tmp_path_factory: pytest.TempPathFactory, secret_inv: Inventory) -> tuple[Store, Path]:
     tmp = tmp_path_factory.mktemp("notes")
     write_run(tmp / "art" / "reference" / "h200")
     store = Store(str(tmp / "art"))
-    refresh(store, inv, "h200")
-    render_notes(store, inv, tmp / "docs")
+    refresh(store, secret_inv, "h200")
+    render_notes(store, secret_inv, tmp / "docs")
     return store, tmp / "docs" / "notes"
 
 
@@ -59,14 +60,14 @@ def test_pages_and_plots_exist(rendered: tuple[Store, Path]) -> None:
     assert "| [b300](b300.md) |" in index and "released, 2026-11-01" in index and "| projected |" in index
 
 
-def test_render_is_byte_identical_in_process_and_from_the_cli(rendered: tuple[Store, Path], inv: Inventory,
+def test_render_is_byte_identical_in_process_and_from_the_cli(rendered: tuple[Store, Path], secret_inv: Inventory,
                                                               tmp_path: Path) -> None:
     store, notes = rendered
-    render_notes(store, inv, tmp_path / "again")
+    render_notes(store, secret_inv, tmp_path / "again")
     assert _files(tmp_path / "again" / "notes") == _files(notes)
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    argv = ["notes", "--artifacts", store.base, "--hosts", str(inv.dir), "--docs", str(tmp_path / "cli")]
-    cli = subprocess.run([sys.executable, "-c", "from flows.cli import app; app()", *argv], env=env,
+    argv = ["notes", "--artifacts", store.base, "--hosts", str(secret_inv.dir), "--docs", str(tmp_path / "cli")]
+    cli = subprocess.run([sys.executable, "-c", "from flows.cli.app import app; app()", *argv], env=env,
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert cli.returncode == 0, cli.stderr
     assert "b300: projected" in cli.stdout and "h200: measured" in cli.stdout
@@ -96,9 +97,9 @@ def test_outside_kernel_share_is_the_profiled_rest_of_the_step(rendered: tuple[S
     assert row in (notes / "h200.md").read_text()
 
 
-def test_summary_lines(rendered: tuple[Store, Path], inv: Inventory) -> None:
+def test_summary_lines(rendered: tuple[Store, Path], secret_inv: Inventory) -> None:
     store, _ = rendered
-    lines = summary_lines(store, inv)
+    lines = summary_lines(store, secret_inv)
     # the 2-layer e2e figures are not headlines: the headline says plainly there is no full-depth row yet
     assert any(line.startswith("Measured h200: full model: no full-depth e2e rows yet") and
                "MoE W4A16 decode " in line and "% of copy bandwidth" in line for line in lines)
@@ -106,29 +107,29 @@ def test_summary_lines(rendered: tuple[Store, Path], inv: Inventory) -> None:
     assert not any("tok/s" in line for line in lines)
 
 
-def test_regression_against_previous_run_is_flagged(tmp_path: Path, inv: Inventory) -> None:
+def test_regression_against_previous_run_is_flagged(tmp_path: Path, secret_inv: Inventory) -> None:
     write_run(tmp_path / "art" / "reference" / "h200")
     store = Store(str(tmp_path / "art"))
     slower = write_run(tmp_path / "pulled", run_id="h200-2", bw=3000.0, started_at="2026-10-21T10:00:00Z")
     store.ingest("h200", "h200-2", slower)
-    refresh(store, inv, "h200")
-    [h200] = [v for v in gather(store, inv) if v.name == "h200"]
+    refresh(store, secret_inv, "h200")
+    [h200] = [v for v in gather(store, secret_inv) if v.name == "h200"]
     assert [r.run_id for r in h200.measured] == ["h200-20261020-1", "h200-2"]
-    render_notes(store, inv, tmp_path / "docs")
+    render_notes(store, secret_inv, tmp_path / "docs")
     text = (tmp_path / "docs" / "notes" / "h200.md").read_text()
     assert "Run h200-2 against h200-20261020-1" in text and "REGRESSION" in text
 
 
-def test_stored_projection_is_shown_when_the_reference_is_gone(tmp_path: Path, inv: Inventory) -> None:
+def test_stored_projection_is_shown_when_the_reference_is_gone(tmp_path: Path, secret_inv: Inventory) -> None:
     write_run(tmp_path / "art" / "reference" / "h200")
     store = Store(str(tmp_path / "art"))
-    run_id = project_host(store, inv, "b300")
+    run_id = project_host(store, secret_inv, "b300")
     shutil.rmtree(tmp_path / "art" / "reference")
-    views = {v.name: v for v in gather(store, inv)}
+    views = {v.name: v for v in gather(store, secret_inv)}
     assert views["b300"].kind == "projected" and views["b300"].latest.run_id == run_id
     assert views["pro6000"].kind == "no data" and "no projection of pro6000 is stored" in views["pro6000"].missing
     # rendering never projects: without the reference, refresh cannot, and says why
-    assert "artifacts/reference/h200" in refresh(store, inv, "h200")["pro6000"]
+    assert "artifacts/reference/h200" in refresh(store, secret_inv, "h200")["pro6000"]
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -136,7 +137,7 @@ def _git(repo: Path, *args: str) -> str:
 
 
 @pytest.mark.integration
-def test_commit_only_on_change_and_nothing_leaks(tmp_path: Path, inv: Inventory) -> None:
+def test_commit_only_on_change_and_nothing_leaks(tmp_path: Path, secret_inv: Inventory) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()
     _git(repo, "init", "-q")
@@ -145,9 +146,9 @@ def test_commit_only_on_change_and_nothing_leaks(tmp_path: Path, inv: Inventory)
     store = Store(str(repo / "artifacts"))
 
     def publish() -> str | None:
-        refresh(store, inv, "h200")
-        paths = render_notes(store, inv, repo / "docs")
-        return commit_notes(repo, paths, notes_message(store, inv), inv)
+        refresh(store, secret_inv, "h200")
+        paths = render_notes(store, secret_inv, repo / "docs")
+        return commit_notes(repo, paths, notes_message(store, secret_inv), secret_inv)
 
     first = publish()
     assert first and publish() is None                      # same inputs: no new commit
@@ -169,7 +170,7 @@ def test_commit_only_on_change_and_nothing_leaks(tmp_path: Path, inv: Inventory)
     for secret in SECRETS.values():
         assert not any(secret in t for t in texts)
         assert not any(secret.encode() in b for b in blobs)
-    assert leaks("ssh alice@10.20.30.40 -i /home/alice/.ssh/id_ed25519", inv) == [
+    assert leaks("ssh alice@10.20.30.40 -i /home/alice/.ssh/id_ed25519", secret_inv) == [
         "a home or key path", "a login (user@host)", "an IPv4 address", "the address of b300",
         "the address of h200", "the key path of b300", "the key path of h200", "the user of b300",
         "the user of h200"]
@@ -185,7 +186,7 @@ def test_cli_errors_are_one_line_exit_2(tmp_path: Path) -> None:
     (tmp_path / "hosts" / "bad.yaml").write_text("name: bad\nport: nope\n")
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from flows.cli.app import app
     res = CliRunner().invoke(app, ["notes", "--artifacts", str(tmp_path / "art"), "--hosts",
                                    str(tmp_path / "hosts"), "--docs", str(tmp_path / "docs")])
     assert res.exit_code == 2 and "bad.yaml" in res.output and "Traceback" not in res.output
@@ -242,11 +243,11 @@ def test_one_hostile_host_cannot_break_or_block_the_fleet_notes(tmp_path: Path) 
     assert "b300" in (notes / "b300.md").read_text() and "b300" in (notes / "README.md").read_text()
 
 
-def test_a_reference_host_name_cannot_write_outside_docs(tmp_path: Path, inv: Inventory) -> None:
+def test_a_reference_host_name_cannot_write_outside_docs(tmp_path: Path, secret_inv: Inventory) -> None:
     write_run(tmp_path / "art" / "reference" / "h200")
     write_run(tmp_path / "art" / "reference" / "odd", host="../../escaped", run_id="odd-1")
     store = Store(str(tmp_path / "art"))
-    written = render_notes(store, inv, tmp_path / "docs")
+    written = render_notes(store, secret_inv, tmp_path / "docs")
     assert all(p.resolve().is_relative_to((tmp_path / "docs" / "notes").resolve()) for p in written)
     assert not list(tmp_path.glob("escaped*")) and not list(tmp_path.glob("*/escaped*"))
 
@@ -270,11 +271,11 @@ def test_notes_commit_records_only_the_status_fields_of_a_host_file(tmp_path: Pa
     (repo / "other.txt").write_text("staged by the operator\n")
     _git(repo, "add", "other.txt")
     update_host(hosts, "h200", unreachable_runs=2)                            # what the flow writes back
-    inv = load_inventory(hosts)
+    secret_inv = load_inventory(hosts)
     write_run(repo / "artifacts" / "reference" / "h200")
     store = Store(str(repo / "artifacts"))
-    paths = render_notes(store, inv, repo / "docs")
-    sha = commit_notes(repo, [*paths, hosts / "h200.yaml", hosts / "newbox.yaml"], notes_message(store, inv), inv)
+    paths = render_notes(store, secret_inv, repo / "docs")
+    sha = commit_notes(repo, [*paths, hosts / "h200.yaml", hosts / "newbox.yaml"], notes_message(store, secret_inv), secret_inv)
     assert sha
     committed = _git(repo, "show", f"{sha}:hosts/h200.yaml")
     assert "unreachable_runs: 2" in committed and "address: REPLACE-ME.example" in committed
@@ -290,14 +291,14 @@ def test_notes_commit_records_only_the_status_fields_of_a_host_file(tmp_path: Pa
     # every staged file goes through the leak check: a status value and a page that would leak
     update_host(hosts, "h200", presented_host_key_fingerprint="seen from 10.9.8.7")
     with pytest.raises(NotesError, match=r"hosts/h200\.yaml: it would reveal an IPv4 address"):
-        commit_notes(repo, [hosts / "h200.yaml"], "x", inv)
+        commit_notes(repo, [hosts / "h200.yaml"], "x", secret_inv)
     (repo / "docs" / "notes" / "extra.md").write_text("from gpu at 10.9.8.7\n")
     with pytest.raises(NotesError, match=r"docs/notes/extra\.md: it would reveal an IPv4 address"):
-        commit_notes(repo, [repo / "docs" / "notes" / "extra.md"], "x", inv)
+        commit_notes(repo, [repo / "docs" / "notes" / "extra.md"], "x", secret_inv)
     assert _git(repo, "rev-parse", "HEAD").strip() == sha
 
 
-def test_dense_gemms_get_their_own_table(tmp_path: Path, inv: Inventory) -> None:
+def test_dense_gemms_get_their_own_table(tmp_path: Path, secret_inv: Inventory) -> None:
     """Dense GEMM points show as one row per (op, tp) with us at each M and the share of the roofline,
     never among the attention and tree kernels."""
     from engine.config import K2
@@ -316,7 +317,7 @@ def test_dense_gemms_get_their_own_table(tmp_path: Path, inv: Inventory) -> None
                           "batch": 1, "tp": 8, "time_us_p50": t_us * (1 + m / 256), "bytes": nbytes,
                           "flops": flops, "source": "measured"})
     write_table(ref, to_table("kernels", kern.to_pylist() + dense, prov))
-    render_notes(Store(str(tmp_path / "art")), inv, tmp_path / "docs")
+    render_notes(Store(str(tmp_path / "art")), secret_inv, tmp_path / "docs")
     page = (tmp_path / "docs" / "notes" / "h200.md").read_text()
     section = page.split("### Dense GEMMs", 1)[1].split("\n## ", 1)[0]
     assert "| op | tp | N x K | M=1 us | M=256 us | roofline % |" in section

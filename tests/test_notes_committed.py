@@ -10,12 +10,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from flows.backtest import refresh
-from flows.inventory import load_inventory
+from flows import REPO
+from flows.analysis.backtest import refresh
+from flows.inventory.files import load_inventory
 from flows.notes import render_notes
-from flows.store import Store
-
-REPO = Path(__file__).resolve().parents[1]
+from flows.store.store import Store
 
 
 def _files(root: Path) -> dict[str, bytes]:

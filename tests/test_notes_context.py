@@ -4,32 +4,23 @@ skipped, on a measured page and on the page projected from it."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from flows.backtest import refresh
-from flows.inventory import Inventory, load_inventory
+from flows.analysis.backtest import refresh
+from flows.inventory.hosts import Inventory
 from flows.notes import crossover, render_notes
-from flows.store import Store
-from test_notes_picture import _rewrite, _section, _table_rows
-from test_projection_synth import FULL, model_run
+from flows.store.store import Store
+from support import sections
+from support.runs import FULL, model_run, rewrite_table
 
-REPO = Path(__file__).resolve().parents[1]
 MOE_MS = {1: 12.0, 16: 30.0}            # the MoE's time a step does not grow with the context
 ATT_MS_PER_1K = {1: 0.5, 16: 4.0}       # attention's does
 SKIPPED = {(1, 131072): ("needs 150.2 GB: weights 77.1 + latent cache 9.2 (1 x 131186 rows) + working set 2.1; "
                          "61.0 GB free beside the weights", 150.2e9),
            (16, 32768): ("predicted to take 210 s (from this run's 4 measured context points), past the 95 s left "
                          "of the context axis's 180 s", 115.3e9)}
-
-
-@pytest.fixture(scope="module")
-def inv(tmp_path_factory: pytest.TempPathFactory) -> Inventory:
-    hosts = tmp_path_factory.mktemp("inv") / "hosts"
-    shutil.copytree(REPO / "hosts", hosts, ignore=shutil.ignore_patterns(".locks"))
-    return load_inventory(hosts)
 
 
 def _with_context_axis(rows: list[dict]) -> list[dict]:
@@ -59,7 +50,7 @@ def _with_context_axis(rows: list[dict]) -> list[dict]:
 def pages(tmp_path_factory: pytest.TempPathFactory, inv: Inventory) -> tuple[Path, dict[str, str]]:
     tmp = tmp_path_factory.mktemp("ctx")
     ref = model_run(tmp / "ref")
-    _rewrite(ref, "e2e", _with_context_axis)
+    rewrite_table(ref, "e2e", _with_context_axis)
     store = Store(str(tmp / "art"))
     store.ingest("h200", "h200-model-1", ref)
     refresh(store, inv, "h200")
@@ -70,10 +61,10 @@ def pages(tmp_path_factory: pytest.TempPathFactory, inv: Inventory) -> tuple[Pat
 
 def test_tokens_per_s_against_context_per_tp_and_concurrency(pages: tuple[Path, dict[str, str]]) -> None:
     notes, text = pages
-    sect = _section(text["h200"], "Tokens/s against context")
+    sect = sections.section(text["h200"], "Tokens/s against context")
     assert "![tokens/s against context](h200/tokens_vs_context.png)" in sect
     assert (notes / "h200" / "tokens_vs_context.png").stat().st_size > 1000
-    rows = _table_rows(sect)
+    rows = sections.table_rows(sect)
     assert [(r[0], r[1], r[4]) for r in rows] == [("8", "1", n) for n in ("400", "1,024", "8,192", "32,768")] + \
         [("8", "16", n) for n in ("400", "1,024", "8,192")]
     for line in ([r for r in rows if r[1] == c] for c in ("1", "16")):
@@ -88,26 +79,26 @@ def test_tokens_per_s_against_context_per_tp_and_concurrency(pages: tuple[Path, 
 
 def test_skipped_points_are_shown_as_skipped_with_reason_and_bytes(pages: tuple[Path, dict[str, str]]) -> None:
     _, text = pages
-    sect = _section(text["h200"], "Tokens/s against context")
+    sect = sections.section(text["h200"], "Tokens/s against context")
     assert "- TP-8 C=1 B=15 context 131,072, 150.2 GB needed: skipped: needs 150.2 GB: weights 77.1" in sect
     assert "- TP-8 C=16 B=15 context 32,768, 115.3 GB needed: skipped: predicted to take 210 s" in sect
-    main = _table_rows(_section(text["h200"], "End to end"))
+    main = sections.table_rows(sections.section(text["h200"], "End to end"))
     skipped = [r for r in main if r[6] in ("131,072", "32,768") and r[8] == "skipped"]
     assert {(r[5], r[6]) for r in skipped} == {("1", "131,072"), ("16", "32,768")}
     assert all(r[7] == "-" and r[9] == "-" for r in skipped)   # no figure stands for them
     # the headline and the acceptance table keep to the short prompts
     assert "full model 61 layers TP-8:" in text["h200"]
-    accept = _table_rows(_section(text["h200"], "Tokens/s against accepted length"))
+    accept = sections.table_rows(sections.section(text["h200"], "Tokens/s against accepted length"))
     assert len([r for r in accept if r[0] == "8"]) == 2
-    split = _section(text["h200"], "Step breakdown")
+    split = sections.section(text["h200"], "Step breakdown")
     assert "ctx=32768" in split and "ctx=131072" not in split
 
 
 def test_the_projected_page_ignores_skipped_points_and_says_which(pages: tuple[Path, dict[str, str]]) -> None:
     notes, text = pages
     b300 = text["b300"]
-    sect = _section(b300, "Tokens/s against context")
-    rows = _table_rows(sect)
+    sect = sections.section(b300, "Tokens/s against context")
+    rows = sections.table_rows(sect)
     assert "band (tokens/s)" in sect and (notes / "b300" / "tokens_vs_context.png").is_file()
     assert {r[4] for r in rows} == {"400", "1,024", "8,192", "32,768"} and len(rows) == 7
     # each row has a low-high band, or says it is unknown (no cross-host evidence stored in this fixture)
@@ -115,7 +106,7 @@ def test_the_projected_page_ignores_skipped_points_and_says_which(pages: tuple[P
     # the projection's rows carry the step model's per-family split, so the page says where attention
     # overtakes the MoE on the target, from it
     assert "where attention overtakes the MoE is not known" not in sect and "attention stays below the MoE" in sect
-    assert "Skipped points" not in sect and "skipped" not in _section(b300, "End to end")
+    assert "Skipped points" not in sect and "skipped" not in sections.section(b300, "End to end")
     assert "2 e2e point(s) the reference skipped (not measured there), so not projected: TP-8 C=1 B=15 context " \
            "131,072: needs 150.2 GB" in b300
 

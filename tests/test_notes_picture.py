@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,25 +16,12 @@ from pathlib import Path
 import pytest
 
 from engine.schema import provenance, read_table, to_table, write_table
-from flows.inventory import Inventory, load_inventory
+from flows import REPO
+from flows.inventory.hosts import Inventory
 from flows.notes import gather, headline, render_notes
-from flows.store import Store
-from test_projection_synth import FULL, model_run, write_run
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def inv(tmp_path_factory: pytest.TempPathFactory) -> Inventory:
-    hosts = tmp_path_factory.mktemp("inv") / "hosts"
-    shutil.copytree(REPO / "hosts", hosts, ignore=shutil.ignore_patterns(".locks"))
-    return load_inventory(hosts)
-
-
-def _rewrite(run_dir: Path, table: str, change) -> None:
-    """Rewrite one table of a written run: change(rows) -> rows."""
-    t = read_table(run_dir / f"{table}.arrow")
-    write_table(run_dir, to_table(table, change([dict(r) for r in t.to_pylist()]), provenance(t)))
+from flows.store.store import Store
+from support import sections
+from support.runs import FULL, model_run, rewrite_table, write_run
 
 
 def _only(run_dir: Path, suites: set[str], profile: str = "full", status: str = "complete") -> Path:
@@ -43,22 +29,9 @@ def _only(run_dir: Path, suites: set[str], profile: str = "full", status: str = 
     for name in ("kernels", "e2e", "comm"):
         if name not in suites:
             (run_dir / f"{name}.arrow").unlink(missing_ok=True)
-    _rewrite(run_dir, "runs", lambda rows: [{**r, "profile": profile, "status": status} for r in rows
+    rewrite_table(run_dir, "runs", lambda rows: [{**r, "profile": profile, "status": status} for r in rows
                                             if r["suite"] in suites])
     return run_dir
-
-
-def _section(page: str, title: str) -> str:
-    """The text of one `## title` section (up to the next `## `)."""
-    start = page.index(f"## {title}\n")
-    end = page.find("\n## ", start + 1)
-    return page[start:end if end >= 0 else len(page)]
-
-
-def _table_rows(text: str) -> list[list[str]]:
-    """The body rows of the first markdown table in text."""
-    lines = [line for line in text.splitlines() if line.startswith("|")]
-    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
 
 
 def _render(store: Store, inv: Inventory, docs: Path) -> Path:
@@ -73,30 +46,30 @@ def test_a_kernels_only_smoke_run_after_a_full_run_keeps_the_e2e_section_and_swe
     [before] = [headline(v) for v in gather(store, inv) if v.name == "h200"]
     smoke = _only(write_run(tmp_path / "p2", run_id="smoke-2", bw=3000.0, started_at="2026-10-21T10:00:00Z"),
                   {"kernels"}, profile="smoke")
-    _rewrite(smoke, "kernels", lambda rows: [r for r in rows if r["kernel"] == "moe_w4a16" and r["M"] <= 4])
+    rewrite_table(smoke, "kernels", lambda rows: [r for r in rows if r["kernel"] == "moe_w4a16" and r["M"] <= 4])
     store.ingest("h200", "smoke-2", smoke)
     assert [r.run_id for r in store.runs("h200")] == ["full-1", "smoke-2"]
     notes = _render(store, inv, tmp_path / "docs")
     page = (notes / "h200.md").read_text()
     assert "**Data: measured.** Latest run smoke-2;" in page
     # the full sweep and e2e stay, each saying where it comes from
-    moe = _section(page, "MoE W4A16 GEMM")
+    moe = sections.section(page, "MoE W4A16 GEMM")
     assert "From run full-1 (full profile, complete" in moe
-    assert [r[0] for r in _table_rows(moe)] == ["1", "2", "4", "8", "16", "32", "64", "128", "256", "512"]
+    assert [r[0] for r in sections.table_rows(moe)] == ["1", "2", "4", "8", "16", "32", "64", "128", "256", "512"]
     assert "No TP-8 shard-shape points in this run" in moe          # write_run has full shapes only
-    e2e = _section(page, "End to end")
-    assert "From run full-1 (full profile, complete" in e2e and len(_table_rows(e2e)) == 3
+    e2e = sections.section(page, "End to end")
+    assert "From run full-1 (full profile, complete" in e2e and len(sections.table_rows(e2e)) == 3
     assert "## Step breakdown" in page and "## Time outside kernels" in page
     assert (notes / "h200" / "amdahl.png").is_file()
     # the smoke run is in the history, feeding no section
-    runs = {r[0]: r for r in _table_rows(_section(page, "Runs"))}
+    runs = {r[0]: r for r in sections.table_rows(sections.section(page, "Runs"))}
     assert runs["smoke-2"][1:] == ["2026-10-21T10:00:00Z", "smoke", "kernels", "ab12cd34", "complete", "-"]
     assert runs["full-1"][1:] == ["2026-10-20T10:00:00Z", "full", "kernels, e2e, comm (skipped)", "ab12cd34",
                                   "complete", "kernels, e2e, comm"]
     assert list(runs) == ["smoke-2", "full-1"]                                    # newest first
     # the headline still comes from the full data; a smoke run is compared with smoke runs only
     assert [headline(v) for v in gather(store, inv) if v.name == "h200"] == [before]
-    assert "First measured smoke-profile run of this host" in _section(page, "Against the previous run")
+    assert "First measured smoke-profile run of this host" in sections.section(page, "Against the previous run")
 
 
 def test_each_section_comes_from_its_own_latest_complete_full_run(tmp_path: Path, inv: Inventory) -> None:
@@ -110,15 +83,15 @@ def test_each_section_comes_from_its_own_latest_complete_full_run(tmp_path: Path
     store.ingest("h200", "late-3", late)
     notes = _render(store, inv, tmp_path / "docs")
     page = (notes / "h200.md").read_text()
-    assert "From run kern-2 (full profile, complete" in _section(page, "MoE W4A16 GEMM")
-    assert "From run kern-2 (full profile, complete" in _section(page, "Attention and tree kernels")
-    assert "From run all-1 (full profile, complete" in _section(page, "End to end")
-    assert "From run all-1 (full profile, skipped" in _section(page, "All-reduce")
+    assert "From run kern-2 (full profile, complete" in sections.section(page, "MoE W4A16 GEMM")
+    assert "From run kern-2 (full profile, complete" in sections.section(page, "Attention and tree kernels")
+    assert "From run all-1 (full profile, complete" in sections.section(page, "End to end")
+    assert "From run all-1 (full profile, skipped" in sections.section(page, "All-reduce")
     # % of copy bandwidth uses the kernels run's own measured ceiling (3900 GB/s), not another run's
-    env = _section(page, "Environment")
+    env = sections.section(page, "Environment")
     assert env.splitlines()[2] == "|  | e2e, comm | kernels |"
     assert "| measured copy bandwidth | 4300 GB/s | 3900 GB/s |" in env
-    runs = {r[0]: r for r in _table_rows(_section(page, "Runs"))}
+    runs = {r[0]: r for r in sections.table_rows(sections.section(page, "Runs"))}
     assert runs["late-3"][3:] == ["e2e (partial)", "ab12cd34", "partial", "-"]
     assert "(partial: some suites did not finish)" in page.splitlines()[2]
 
@@ -128,16 +101,16 @@ def test_smoke_data_is_shown_only_while_there_is_no_full_data(tmp_path: Path, in
     store.ingest("h200", "smoke-1", _only(write_run(tmp_path / "p1", run_id="smoke-1"), {"kernels", "e2e"},
                                           profile="smoke"))
     page = (_render(store, inv, tmp_path / "docs") / "h200.md").read_text()
-    e2e = _section(page, "End to end")
+    e2e = sections.section(page, "End to end")
     assert "From run smoke-1 (smoke profile, complete" in e2e
     assert "There is no complete full-profile e2e run yet: these are the latest figures there are." in e2e
 
 
 def _shard_rows(page: str) -> tuple[list[list[str]], list[list[str]]]:
-    moe = _section(page, "MoE W4A16 GEMM")
+    moe = sections.section(page, "MoE W4A16 GEMM")
     full = moe[moe.index("### Full shapes"):moe.index("### TP-8 shard shapes")]
     shard = moe[moe.index("### TP-8 shard shapes"):]
-    return _table_rows(full), _table_rows(shard)
+    return sections.table_rows(full), sections.table_rows(shard)
 
 
 def test_the_moe_section_shows_full_and_tp8_shard_shapes_in_two_tables(tmp_path: Path, inv: Inventory) -> None:
@@ -155,12 +128,12 @@ def test_the_moe_section_shows_full_and_tp8_shard_shapes_in_two_tables(tmp_path:
         assert [r[5] for r in rows] == [f"{k['bytes'] / 1e6:,.1f}" for k in want]
         assert [r[7] for r in rows] == [f"{100 * k['bytes'] / (k['time_us_p50'] * 1e3) / 4300.0:,.1f}" for k in want]
         assert [r[10] for r in rows] == [f"{k['unique_experts']} ({k['expected_experts']:,.1f})" for k in want]
-    moe = _section(page, "MoE W4A16 GEMM")
+    moe = sections.section(page, "MoE W4A16 GEMM")
     assert "expert intermediate 256 (gate_up N = 512, down K = 256)" in moe
     assert "expert intermediate 2048 (gate_up N = 4096, down K = 2048)" in moe
     assert "No TP-8 shard-shape points" not in moe
     # the projected page keeps them apart as well (the projection carries the shard points)
-    from flows.backtest import refresh
+    from flows.analysis.backtest import refresh
     refresh(store, inv, "h200")
     b300 = (_render(store, inv, tmp_path / "docs") / "b300.md").read_text()
     pfull, pshard = _shard_rows(b300)
@@ -179,7 +152,7 @@ def _accept_sweep(run_dir: Path) -> None:
                 out.append({**r, "synthetic_accept": level, "accept_len_mean": acc,
                             "tokens_per_s": r["tokens_per_s"] * (acc + 1) / (r["accept_len_mean"] + 1)})
         return out
-    _rewrite(run_dir, "e2e", sweep)
+    rewrite_table(run_dir, "e2e", sweep)
 
 
 def test_tokens_per_s_against_accepted_length_at_full_depth(tmp_path: Path, inv: Inventory) -> None:
@@ -187,14 +160,14 @@ def test_tokens_per_s_against_accepted_length_at_full_depth(tmp_path: Path, inv:
     _accept_sweep(ref)
     store = Store(str(tmp_path / "art"))
     store.ingest("h200", "h200-model-1", ref)
-    from flows.backtest import refresh
+    from flows.analysis.backtest import refresh
     refresh(store, inv, "h200")           # what `kdbench notes` stores first (the what-if grid among it)
     notes = _render(store, inv, tmp_path / "docs")
     page = (notes / "h200.md").read_text()
-    sect = _section(page, "Tokens/s against accepted length")
+    sect = sections.section(page, "Tokens/s against accepted length")
     assert "![tokens/s against accepted length](h200/tokens_vs_accept.png)" in sect
     assert (notes / "h200" / "tokens_vs_accept.png").is_file()
-    rows = _table_rows(sect)
+    rows = sections.table_rows(sect)
     e2e = read_table(ref / "e2e.arrow").to_pylist()
     # one row per (tp, concurrency, level), all at the full 61 layers; within a line tokens/s rises with acceptance
     assert {(r[0], r[1], r[2], r[3]) for r in rows} == {(str(tp), str(FULL), str(c), f"{lv:g}")
@@ -211,7 +184,7 @@ def test_tokens_per_s_against_accepted_length_at_full_depth(tmp_path: Path, inv:
             assert line[-1][6] == f"{max(e['tokens_per_s'] for e in want):,.0f}"
     # the new tables and plot (and the what-if grid, stored again) are byte-identical when another process
     # refreshes and renders them
-    cli = subprocess.run([sys.executable, "-c", "from flows.cli import app; app()", "notes", "--artifacts", store.base,
+    cli = subprocess.run([sys.executable, "-c", "from flows.cli.app import app; app()", "notes", "--artifacts", store.base,
                           "--hosts", str(inv.dir), "--docs", str(tmp_path / "cli")],
                          env={**os.environ, "PYTHONHASHSEED": "999"}, capture_output=True, text=True, timeout=120,
                          cwd=REPO)
@@ -224,7 +197,7 @@ def test_no_accept_plot_without_full_depth_rows(tmp_path: Path, inv: Inventory) 
     store = Store(str(tmp_path / "art"))
     store.ingest("h200", "two-layers", write_run(tmp_path / "p1", run_id="two-layers"))
     notes = _render(store, inv, tmp_path / "docs")
-    sect = _section((notes / "h200.md").read_text(), "Tokens/s against accepted length")
+    sect = sections.section((notes / "h200.md").read_text(), "Tokens/s against accepted length")
     assert sect.startswith("## Tokens/s against accepted length\n\nNo plot: no full-depth e2e rows yet (the e2e "
                            "rows here have 4 layers")
     assert "|" not in sect and not (notes / "h200" / "tokens_vs_accept.png").exists()
@@ -251,10 +224,10 @@ def test_a_section_quotes_how_its_run_made_the_figures(tmp_path: Path, inv: Inve
     """A suite's own note (e2e: synthetic acceptance, modelled comm; kernels: the L2 flush and replay
     method) travels with its figures, escaped."""
     run = write_run(tmp_path / "p1", run_id="full-1")
-    _rewrite(run, "runs", lambda rows: [{**r, "note": note} if r["suite"] == suite else r for r in rows])
+    rewrite_table(run, "runs", lambda rows: [{**r, "note": note} if r["suite"] == suite else r for r in rows])
     store = Store(str(tmp_path / "art"))
     store.ingest("h200", "full-1", run)
-    text = _section((_render(store, inv, tmp_path / "docs") / "h200.md").read_text(), section)
+    text = sections.section((_render(store, inv, tmp_path / "docs") / "h200.md").read_text(), section)
     assert "How the run made them, in its own words: " + shown in text
 
 
@@ -276,7 +249,7 @@ def test_the_moe_table_shows_the_kernel_that_runs_at_each_m(tmp_path: Path, inv:
     full, _ = _shard_rows(page)
     assert [r[0] for r in full] == [str(m) for m in sorted({k["M"] for k in moe})]
     assert [r[1] for r in full] == ["cuda" if int(r[0]) in cuda_m else "triton" for r in full]
-    assert "triton, cuda" in _section(page, "MoE W4A16 GEMM")
+    assert "triton, cuda" in sections.section(page, "MoE W4A16 GEMM")
 
 
 def test_the_moe_table_shows_host_time_and_percent_of_the_roofline(tmp_path: Path, inv: Inventory) -> None:
@@ -296,7 +269,7 @@ def test_the_moe_table_shows_host_time_and_percent_of_the_roofline(tmp_path: Pat
     store = Store(str(tmp_path / "art"))
     store.ingest("h200", "h200-model-1", ref)
     page = (_render(store, inv, tmp_path / "docs") / "h200.md").read_text()
-    moe = _section(page, "MoE W4A16 GEMM")
+    moe = sections.section(page, "MoE W4A16 GEMM")
     head = next(line for line in moe.splitlines() if line.startswith("| M |"))
     cols = [c.strip() for c in head.strip("|").split("|")]
     body, _ = _shard_rows(page)

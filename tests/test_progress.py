@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from flows.progress import log_line
+from flows.pipelines.progress import log_line
 
 
 def _ev(**ev: object) -> str:

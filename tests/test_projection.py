@@ -5,17 +5,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
-from engine.schema import provenance, validate
-from flows.backtest import cross_host
-from flows.families import point_key
-from flows.inventory import Inventory
-from flows.projection import Machine, allreduce_us, assumptions, project, project_point
-from flows.reference import load_reference, measured_datasets, project_host
-from flows.store import Store
-from test_projection_synth import evidence, write_run
-
+from engine.schema import provenance, read_table, validate
+from flows.analysis.backtest import cross_host
+from flows.analysis.families import point_key
+from flows.analysis.projection import Machine, allreduce_us, assumptions, project, project_point
+from flows.analysis.reference import load_reference, measured_datasets, project_host
+from flows.inventory.hosts import Inventory
+from flows.store.store import Store
+from support.runs import evidence, write_run
 
 
 def _store(tmp: Path, spread: float = 0.03) -> Store:
@@ -189,3 +189,12 @@ def test_a_spread_wider_than_the_median_keeps_the_band_positive(tmp_path: Path, 
     noisy = next(p for p in proj["kernels"].to_pylist() if point_key(p) == point_key(rows[0]))
     assert noisy["time_us_low"] == pytest.approx(0.9 * noisy["time_us_p50"])
     assert noisy["time_us_high"] == pytest.approx(4 * noisy["time_us_p50"])
+
+
+def test_synthetic_run_is_schema_valid(tmp_path: Path) -> None:
+    out = write_run(tmp_path / "ref")
+    for name in ("runs", "kernels", "e2e", "comm"):
+        assert isinstance(read_table(out / f"{name}.arrow"), pa.Table)
+    moe = [r for r in read_table(out / "kernels.arrow").to_pylist() if r["kernel"] == "moe_w4a16"]
+    # the unique-expert count follows the K2 top-8-of-384 expectation
+    assert [r["unique_experts"] for r in moe[:4]] == [8, 16, 31, 60]

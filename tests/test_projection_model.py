@@ -10,30 +10,23 @@ import pyarrow as pa
 import pytest
 
 from engine.schema import read_table, to_table
-from flows.backtest import cross_host, depth, refresh, tensor_parallel
-from flows.inventory import Inventory
+from flows import REPO
+from flows.analysis.backtest import cross_host, depth, refresh, tensor_parallel
+from flows.analysis.projection import ALLREDUCES_PER_LAYER, Machine, allreduce_us, assumptions, project
+from flows.analysis.reference import is_outside, load_reference, machine_of
+from flows.analysis.stepmodel import answer, build, query_of
+from flows.inventory.hosts import Inventory
 from flows.notes import gather, headline, moe_points, render_notes
-from flows.projection import ALLREDUCES_PER_LAYER, Machine, allreduce_us, assumptions, project
-from flows.reference import is_outside, load_reference, machine_of
-from flows.stepmodel import answer, build, query_of
-from flows.store import Store
-from test_projection_synth import FULL, evidence, model_run
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture()
-def store(tmp_path: Path) -> Store:
-    model_run(tmp_path / "art" / "reference" / "h200")
-    return Store(str(tmp_path / "art"))
+from flows.store.store import Store
+from support.runs import FULL, evidence
 
 
 def _e2e(tables: dict, **want: object) -> list[dict]:
     return [e for e in tables["e2e"].to_pylist() if all(e[k] == v for k, v in want.items())]
 
 
-def test_same_tp_over_each_targets_own_links(store: Store, inv: Inventory) -> None:
-    ref = load_reference(store, inv, "h200")
+def test_same_tp_over_each_targets_own_links(model_store: Store, inv: Inventory) -> None:
+    ref = load_reference(model_store, inv, "h200")
     pro = project(ref.tables, ref.machine, machine_of(inv, "pro6000"), evidence=evidence(0.1))
     b300 = project(ref.tables, ref.machine, machine_of(inv, "b300"), evidence=evidence(0.1))
     for tables, link in ((pro, "pcie"), (b300, "nvlink")):
@@ -53,8 +46,8 @@ def test_same_tp_over_each_targets_own_links(store: Store, inv: Inventory) -> No
     assert p["tokens_per_s_low"] < p["tokens_per_s"] < p["tokens_per_s_high"]
 
 
-def test_resharded_when_the_target_has_another_gpu_count(store: Store, inv: Inventory) -> None:
-    ref = load_reference(store, inv, "h200")
+def test_resharded_when_the_target_has_another_gpu_count(model_store: Store, inv: Inventory) -> None:
+    ref = load_reference(model_store, inv, "h200")
     two = project(ref.tables, ref.machine, Machine("h200x2", inv.specs["h200-sxm"], 2, "nvlink"))
     tp = {a["what"]: a for a in assumptions(two)}["tensor_parallel"]
     # the TP-1 rows are the nearest degree: re-sharded by the step model
@@ -67,24 +60,24 @@ def test_resharded_when_the_target_has_another_gpu_count(store: Store, inv: Inve
         assert lo["step_ms_p50"] - lo["comm_ms"] < e["step_ms_p50"] < hi["step_ms_p50"]
 
 
-def test_headlines_show_full_model_tokens_per_s(store: Store, inv: Inventory, tmp_path: Path) -> None:
-    refresh(store, inv, "h200")
-    views = {v.name: v for v in gather(store, inv)}
+def test_headlines_show_full_model_tokens_per_s(model_store: Store, inv: Inventory, tmp_path: Path) -> None:
+    refresh(model_store, inv, "h200")
+    views = {v.name: v for v in gather(model_store, inv)}
     h200, pro = headline(views["h200"]), headline(views["pro6000"])
     ms = [k["M"] for k in moe_points(views["h200"].latest)]
     assert ms == sorted(set(ms))                      # the MoE table shows full shapes, not the TP-8 shards too
     assert h200.startswith(f"full model {FULL} layers TP-8: ") and "at C=1 (B=15, accept 5.30)" in h200
     assert "at C=16" in h200 and "no full-depth" not in h200
     assert pro.startswith(f"full model {FULL} layers TP-8: ") and ") at C=1" in pro     # with its band
-    render_notes(store, inv, tmp_path / "docs")
+    render_notes(model_store, inv, tmp_path / "docs")
     index = (tmp_path / "docs" / "notes" / "README.md").read_text()
     assert f"full model {FULL} layers TP-8" in index
     page = (tmp_path / "docs" / "notes" / "b300.md").read_text()
     assert page.splitlines()[4].startswith(f"**Headline:** full model {FULL} layers TP-8: ")
 
 
-def test_depth_and_tp_backtests_run_when_the_rows_exist(store: Store, inv: Inventory) -> None:
-    ref = load_reference(store, inv, "h200")
+def test_depth_and_tp_backtests_run_when_the_rows_exist(model_store: Store, inv: Inventory) -> None:
+    ref = load_reference(model_store, inv, "h200")
     [d] = depth(ref)
     # the synthetic step is linear in depth, so the line through 2, 6, 10 layers lands on 61
     assert d.points == 4 and abs(d.median_error) < 1e-6
@@ -109,12 +102,12 @@ def test_schema_2_files_read_with_tp_1(tmp_path: Path) -> None:
     assert (row["tp"], row["weight_sets"], row["vocab"], row["comm_source"]) == (1, 1, None, None)
 
 
-def test_full_model_projection_meets_the_published_serving_figures(store: Store, inv: Inventory,
+def test_full_model_projection_meets_the_published_serving_figures(model_store: Store, inv: Inventory,
                                                                      tmp_path: Path) -> None:
     import shutil
     shutil.copytree(REPO / "artifacts" / "reference" / "pro6000-published",
-                    Path(store.base) / "reference" / "pro6000-published")
-    ref, pub = load_reference(store, inv, "h200"), load_reference(store, inv, "pro6000-published")
+                    Path(model_store.base) / "reference" / "pro6000-published")
+    ref, pub = load_reference(model_store, inv, "h200"), load_reference(model_store, inv, "pro6000-published")
     assert is_outside(pub.tables) and not is_outside(ref.tables)
     rows = {r.family: r for r in cross_host([ref], [pub])}
     e2e = rows["e2e tokens/s"]

@@ -9,9 +9,9 @@ import pyarrow.ipc as ipc
 import pytest
 
 from engine.schema import to_table, write_manifest, write_table
-from flows.pull import pull, quarantine
-from flows.ssh import Remote
-from flows.store import Store
+from flows.store.store import Store
+from flows.transport.pull import pull, quarantine
+from flows.transport.remote import Remote
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +67,7 @@ def test_suite_the_controller_saw_stop_is_never_recorded_complete(tmp_path: Path
     wrote anything both end up `partial` in runs.arrow, so the run index calls the run partial."""
     from engine.schema import read_table
 
-    from flows.pull import Pulled, record_unfinished
+    from flows.transport.pull import Pulled, record_unfinished
 
     accepted = []
     if written:

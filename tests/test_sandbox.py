@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows import sandbox as sandbox_mod
-from flows.cli import app
-from flows.inventory import load_inventory
-from flows.sandbox import SandboxError, _alive, _descendants
-from flows.ssh import Remote
+from flows.cli.app import app
+from flows.inventory.files import load_inventory
+from flows.transport import sandbox as sandbox_mod
+from flows.transport.remote import Remote
+from flows.transport.sandbox import SandboxError, _alive, _descendants
 
 pytestmark = pytest.mark.integration
 

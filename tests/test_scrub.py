@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.inventory import Host, Inventory
-from flows.scrub import fenced, leaks, md, plain, redact
+from flows.inventory.hosts import Host, Inventory
+from flows.inventory.scrub import fenced, leaks, md, plain, redact
 
 
 def _inv(**hosts: dict) -> Inventory:

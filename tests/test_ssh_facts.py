@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-from flows.inventory import load_host
-from flows.ssh import _mismatches, _parse_facts
+from flows import REPO
+from flows.inventory.files import load_host
+from flows.transport.probe import _mismatches, _parse_facts
 
 
 def test_facts_parsing_is_defensive() -> None:
@@ -16,7 +16,7 @@ def test_facts_parsing_is_defensive() -> None:
     f = _parse_facts(out)
     assert (f["gpu_count"], f["arch_found"], f["driver"], f["triton"], f["disk_free_gb"]) == (
         2, "sm_90", "570.86.15", None, None)
-    pro = load_host(Path(__file__).resolve().parents[1] / "hosts", "pro6000")
+    pro = load_host(REPO / "hosts", "pro6000")
     found = _mismatches(pro, f, "RTX PRO 6000 Blackwell Server Edition")
     assert any("sm_120" in m and "sm_90" in m for m in found)
     assert any(m.startswith("gpus:") for m in found) and any("NVIDIA H200" in m for m in found)

@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows import sandbox as sandbox_mod
-from flows import ssh
-from flows.cli import app
-from flows.inventory import key_line, parse_public_key, update_host
-from flows.ssh import Remote, RemoteError, Timeouts, probe
+from flows.cli.app import app
+from flows.inventory.files import update_host
+from flows.inventory.keys import key_line, parse_public_key
+from flows.transport import sandbox as sandbox_mod
+from flows.transport import remote as ssh
+from flows.transport.connect import RemoteError, Timeouts
+from flows.transport.probe import probe
+from flows.transport.remote import Remote
 
 pytestmark = pytest.mark.integration
 
@@ -158,13 +161,13 @@ def test_timeout_when_facts_command_hangs(sandbox, tmp_path: Path) -> None:
 
 def test_probe_connects_once_and_closes_its_client(sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
     made = []
-    real = ssh._connect
+    real = ssh.connect_client
 
     def counting(*a: object, **k: object):
         made.append(real(*a, **k))
         return made[-1]
 
-    monkeypatch.setattr(ssh, "_connect", counting)
+    monkeypatch.setattr(ssh, "connect_client", counting)
     assert probe(sandbox.host(), sandbox.hosts_dir, FAST).outcome == "ok"
     assert len(made) == 1 and made[0].get_transport() is None
 

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from flows import ssh
-from flows.inventory import update_host
-from flows.sandbox import _alive
-from flows.ssh import Remote, RemoteError, Timeouts, probe, remote_command
+from flows.inventory.files import update_host
+from flows.transport import remote as ssh
+from flows.transport.connect import RemoteError, Timeouts
+from flows.transport.probe import probe
+from flows.transport.remote import Remote, remote_command
+from flows.transport.sandbox import _alive
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The step model (flows.stepmodel) on a synthetic k2-mini reference built by hand: it composes measured
+"""The step model (flows.analysis.stepmodel) on a synthetic k2-mini reference built by hand: it composes measured
 steps back, finds the in-step factors, labels what it interpolates and extrapolates, checks memory,
 and its kernel models and carrier follow their formulas."""
 
@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-import stepmodel_synth as synth
+from support import stepmodel as synth
 from engine.config import K2, make_config
-from flows.carrier import Side, memory_gbps
-from flows.inventory import Inventory
-from flows.kernelfit import fit_family
-from flows.reference import load_reference, machine_of
-from flows.stepmodel import Query, answer, build, query_of
-from flows.stepmemory import RESERVE_BYTES, cache_bytes, memory, weight_bytes
-from flows.store import Store
+from flows.analysis.carrier import Side, memory_gbps
+from flows.analysis.kernelfit import fit_family
+from flows.analysis.reference import load_reference, machine_of
+from flows.analysis.stepmemory import RESERVE_BYTES, cache_bytes, memory, weight_bytes
+from flows.analysis.stepmodel import Query, answer, build, query_of
+from flows.inventory.hosts import Inventory
+from flows.store.store import Store
 
 
 @pytest.fixture()

@@ -15,11 +15,11 @@ import pytest
 from typer.testing import CliRunner
 
 from engine.schema import SchemaError, read_table
-from flows.cli import app
-from flows.store import Store, StoreError
-from test_projection_synth import write_run
-
-REPO = Path(__file__).resolve().parents[1]
+from flows import REPO
+from flows.cli.app import app
+from flows.store.layout import RunStatus, StoreError
+from flows.store.store import Store
+from support.runs import old_layout_run, write_run
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,7 @@ def test_ingest_and_read_back(tmp_path: Path, pulled: Path, uri: str) -> None:
         assert (tmp_path / "art" / table / "host=h200" / "run=h200-1" / "part-0.parquet").is_file()
     manifest = json.loads((tmp_path / "art" / "_manifests" / "host=h200" / "run=h200-1.json").read_text())
     assert manifest["files"]["kernels"]["path"] == "kernels/host=h200/run=h200-1/part-0.parquet"
+    assert info.status is RunStatus.COMPLETE and manifest["status"] == "complete"  # the enum's value, as before
     tables = store.load("h200", "h200-1")
     assert set(tables) == {"runs", "kernels", "e2e", "comm"}
     for name, table in tables.items():  # Parquet at rest gives back exactly what came over the wire
@@ -181,29 +182,16 @@ def test_reference_missing_and_present(tmp_path: Path) -> None:
 
 # -- migration from layout 1 ------------------------------------------------------------------
 
-def _old_layout_run(root: Path, src: Path, host: str, run_id: str, index: list[dict]) -> Path:
-    """What the old Store wrote: runs/host=<h>/run=<id>/<table>.arrow, a _manifest.json, an index line."""
-    leaf = root / "runs" / f"host={host}" / f"run={run_id}"
-    leaf.mkdir(parents=True)
-    sums = {}
-    for f in sorted(src.glob("*.arrow")):
-        shutil.copy(f, leaf / f.name)
-        sums[f.name] = hashlib.sha256(f.read_bytes()).hexdigest()
-    (leaf / "_manifest.json").write_text(json.dumps({"files": sums}, indent=1, sort_keys=True))
-    index.append({"host": host, "run_id": run_id, "source": "measured", "status": "complete"})
-    return leaf
-
-
 def test_migrate_moves_an_old_store_and_loses_no_file(tmp_path: Path) -> None:
     art = tmp_path / "art"
     index: list[dict] = []
     a = write_run(tmp_path / "a", host="h200", run_id="h200-a", started_at="2026-10-01T00:00:00Z")
     b = write_run(tmp_path / "b", host="pro6000", run_id="p-b", started_at="2026-10-02T00:00:00Z", with_comm=False)
     c = write_run(tmp_path / "c", host="pro6000", run_id="p-c", started_at="2026-10-03T00:00:00Z")
-    _old_layout_run(art, a, "h200", "h200-a", index)
-    leaf_b = _old_layout_run(art, b, "pro6000", "p-b", index)
+    old_layout_run(art, a, "h200", "h200-a", index)
+    leaf_b = old_layout_run(art, b, "pro6000", "p-b", index)
     (leaf_b / "notes.txt").write_text("an operator's file\n")
-    leaf_c = _old_layout_run(art, c, "pro6000", "p-c", index)
+    leaf_c = old_layout_run(art, c, "pro6000", "p-c", index)
     (leaf_c / "kernels.arrow").write_bytes(b"damaged on disk")
     index[0]["ingested_at"], index[1]["ingested_at"] = "2026-10-09T00:00:00+00:00", "2026-10-05T00:00:00+00:00"
     index.append({"host": "b300", "run_id": "lost-before", "source": "measured", "status": "complete"})

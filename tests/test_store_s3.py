@@ -1,6 +1,6 @@
 """The artifacts store on a real S3 API: a moto server on loopback, reached through an s3:// URI root.
 
-Proves the promise in flows/store.py that the root may be any pyarrow filesystem URI: ingest, the run
+Proves the promise in flows/store/store.py that the root may be any pyarrow filesystem URI: ingest, the run
 manifests, load, dataset and refusal of bad files all go through the S3 filesystem, never a local path;
 and that controllers ingesting at the same moment (a fleet run) lose no run.
 """
@@ -25,17 +25,18 @@ from prefect.logging import disable_run_logger
 from typer.testing import CliRunner
 
 from engine.schema import SchemaError, read_table
-from flows.bench_flow import ingest
-from flows.cli import app
-from flows.pull import Pulled, quarantine
-from flows.settings import Settings
-from flows.store import Store, StoreError
-from flows.store_migrate import LOCK, migrate
-from test_projection_synth import write_run
+from flows import REPO
+from flows.cli.app import app
+from flows.pipelines.settings import Settings
+from flows.pipelines.tasks import ingest
+from flows.store.layout import StoreError
+from flows.store.migrate import LOCK, migrate
+from flows.store.store import Store
+from flows.transport.pull import Pulled, quarantine
+from support.runs import write_run
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[1]
 BUCKET = "kdbench-test"
 RUN = "sbx-s3-1"
 
@@ -159,7 +160,7 @@ def test_s3_root_from_settings_and_quarantine(s3_root: str, bench_run: Path, mon
     settings = Settings.from_env()
     assert settings.artifacts == s3_root and settings.env()["KDBENCH_ARTIFACTS"] == s3_root
     store = Store(settings.artifacts)
-    staging = tmp_path / "staging"  # laid out as flows.pull.pull leaves it
+    staging = tmp_path / "staging"  # laid out as flows.transport.pull.pull leaves it
     shutil.copytree(bench_run, staging / "accepted")
     (staging / "quarantine").mkdir()
     (staging / "quarantine" / "e2e.arrow").write_bytes(b"junk")

@@ -11,17 +11,16 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import stepmodel_synth as synth
+from support import stepmodel as synth
 from engine.schema import validate
-from flows.backtest import refresh
-from flows.cli import app
-from flows.inventory import Inventory
+from flows import REPO
+from flows.analysis.backtest import refresh
+from flows.analysis.whatif import GRID_CONCURRENCY, GRID_CONTEXT, SUITE, stored_whatif
+from flows.cli.app import app
+from flows.inventory.hosts import Inventory
 from flows.notes import render_notes
-from flows.store import Store
-from flows.whatif import GRID_CONCURRENCY, GRID_CONTEXT, SUITE, stored_whatif
-from test_projection_synth import FULL, model_run
-
-REPO = Path(__file__).resolve().parents[1]
+from flows.store.store import Store
+from support.runs import FULL, model_run
 
 
 @pytest.fixture()

@@ -1,0 +1,381 @@
+"""Hold-out backtests of the projection on measured data, stored as data for the notes and the bands.
+
+Each backtest predicts measured points from other measured points and reports, per kernel family
+and for e2e, the median and worst error (projected / measured - 1), the held-out ratios measured /
+projected (the evidence flows.analysis.bands builds every projected figure's band from), and how a band from
+that evidence does on the points themselves: each point's band comes from the other points' ratios
+only (other configurations, for e2e rows: the acceptance levels of one configuration are one group),
+its coverage is the share of points inside, its width the median half-width.
+
+- composition: each e2e step from the step model (flows.analysis.stepmodel) calibrated on the other
+  configurations' rows (leave one configuration out);
+- depth: the full-depth step from a straight line through the shallower depths of the same point;
+- size: a family's largest sizes from its smaller ones (MoE M >= 256 from M < 256, context 64k and
+  up from less, tree budget 1024 from less, dense GEMM M >= 256 from less), its kernel model fitted on the
+  smaller ones alone;
+- tp: the TP-N kernel shards from the full shapes, and the TP-N rank step from the step model
+  calibrated on the TP-1 rows (with the measured shard-shape kernels);
+- cross-host: every measured host from every other one, and outside figures where they match.
+
+A backtest without the data it needs is a row with `skipped` saying why. Nothing is calibrated
+on the points it is judged on.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Iterable, Sequence
+
+from flows.analysis.bands import jackknife
+from flows.analysis.families import (POINT_KEY, SIZE_AXIS, e2e_key, family, host_side, label, point_key, preferred,
+                                     regime, tp_of)
+from flows.analysis.kernelfit import AXES, class_key, fit_family
+from flows.analysis.projection import ProjectionError, breakdown, measured_ceilings, project, rows_of
+from flows.analysis.reference import Dataset, is_outside, measured_datasets, project_host, unmeasured_hosts
+from flows.analysis.stepmodel import FAMILIES, COLUMN, answer, build, calibration_rows, config_of, query_of
+from flows.analysis.whatif import store_grids
+from flows.inventory.hosts import Inventory
+from flows.store.layout import StoreError
+from flows.store.store import Store
+
+GOAL_MEDIAN = {"memory": 0.10, "e2e": 0.20}   # median |error| goals by regime (none set for the others)
+# issue 25's goals for a kind of carry: (kind, family prefix, regime) -> median |error|
+GOAL_KIND = {("composition", "e2e step", "e2e"): 0.05, ("tp", "e2e", "e2e"): 0.10,
+             ("cross-host", "", "memory"): 0.20}
+GOAL_IN_BAND = 0.90
+STORED = "backtest/backtest.json"
+# the size backtest: held-out sizes (axis value >= cut) predicted from the smaller ones
+HOLD_OUT = {"M": 256, "context": 65536, "budget": 1024}
+
+
+@dataclass(frozen=True)
+class BacktestRow:
+    kind: str               # composition | depth | size | tp | cross-host
+    reference: str
+    target: str
+    family: str             # "kernel/impl", or an e2e quantity such as "e2e step"
+    regime: str             # memory | compute | host | latency | e2e: which goal applies
+    points: int
+    median_error: float | None = None   # projected / measured - 1, median over the points
+    worst_error: float | None = None    # the largest |error|, signed
+    in_band: float | None = None        # share of points inside their band (of those with a known band)
+    detail: str = ""                    # what was predicted from what, or why the backtest was skipped
+    median_abs_error: float | None = None  # the median of |error|: what the goals are on
+    half_width: float | None = None     # median half-width of the bands, relative to the prediction
+    unknown: int = 0                    # points whose band is unknown (too little other evidence)
+    ratios: tuple[float, ...] = ()      # measured / projected of each point: a carry's evidence
+    groups: tuple[str, ...] = ()        # the group of each point (one configuration's acceptance levels)
+
+    @property
+    def skipped(self) -> bool:
+        return self.points == 0
+
+
+def goal_gap(row: BacktestRow) -> tuple[float | None, float | None]:
+    """How far the row misses its goals: (median |error| over its goal, in-band share under 90%)."""
+    if row.skipped:
+        return None, None
+    goal = next((g for (kind, fam, reg), g in GOAL_KIND.items()
+                 if row.kind == kind and row.family.startswith(fam) and row.regime == reg), GOAL_MEDIAN.get(row.regime))
+    med = max((row.median_abs_error if row.median_abs_error is not None else abs(row.median_error)) - goal, 0.0) \
+        if goal is not None else None
+    return med, None if row.in_band is None else max(GOAL_IN_BAND - row.in_band, 0.0)
+
+
+Pair = tuple[float, float, object]   # measured, predicted, group (points of one group share a band's blind spot)
+
+
+def summarise(kind: str, ref: str, target: str, fam: str, reg: str, pairs: Sequence[Pair],
+              detail: str) -> BacktestRow:
+    pairs = [p for p in pairs if p[0] and p[1]]
+    if not pairs:
+        return BacktestRow(kind, ref, target, fam, reg, 0, detail=detail)
+    errs = [p / m - 1 for m, p, _ in pairs]
+    ratios = [m / p for m, p, _ in pairs]
+    bands = jackknife(ratios, [g for *_, g in pairs])
+    known = [(r, b) for r, b in zip(ratios, bands) if b is not None]
+    inside = sum(lo * (1 - 1e-9) <= r <= hi * (1 + 1e-9) for r, (lo, hi) in known)
+    return BacktestRow(kind, ref, target, fam, reg, len(errs), statistics.median(errs), max(errs, key=abs),
+                       inside / len(known) if known else None, detail, statistics.median(abs(e) for e in errs),
+                       statistics.median((hi - lo) / 2 for _, (lo, hi) in known) if known else None,
+                       len(bands) - len(known), tuple(ratios), tuple(str(g) for *_, g in pairs))
+
+
+def _groups(rows: Sequence[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """e2e rows by configuration: the acceptance levels of one (tp, C, B, context, depth) are one group."""
+    out: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(e2e_key(r, without=("synthetic_accept",)), []).append(r)
+    return out
+
+
+# -- composition ---------------------------------------------------------------------------------
+
+def composition(data: Dataset) -> list[BacktestRow]:
+    rows = calibration_rows(rows_of(data.tables, "e2e"))
+    name = data.name
+    groups = _groups(rows)
+    if len(groups) < 2 or not rows_of(data.tables, "kernels"):
+        return [BacktestRow("composition", name, name, "e2e step", "e2e", 0,
+                            detail="needs kernel points and e2e rows of two or more configurations in one run")]
+    split = all(r.get("moe_ms") is not None for r in rows)
+    pairs: dict[str, list[Pair]] = {}
+    for key, held in groups.items():
+        model = build(data.tables, data.machine, data.machine, [r for r in rows if e2e_key(
+            r, without=("synthetic_accept",)) != key])
+        for r in held:
+            s = answer(model, query_of(r), config_of(r))
+            pairs.setdefault("e2e step", []).append((r["step_ms_p50"], s.step_ms, key))
+            if r.get("kernel_ms") is not None:
+                pairs.setdefault("e2e GPU time", []).append((r["kernel_ms"], s.step_ms - s.ms["host"], key))
+                pairs.setdefault("e2e host time", []).append((r["outside_ms"], s.ms["host"], key))
+            if split:
+                for f in FAMILIES:
+                    pairs.setdefault(f"e2e {f}", []).append((r[COLUMN[f]], s.ms[f], key))
+    why = ("each configuration's steps from the step model calibrated on the other configurations' rows "
+           "(kernel models at the step's shapes x in-step factors + gpu_other + host)")
+    out = [summarise("composition", name, name, "e2e step", "e2e", pairs["e2e step"], why)]
+    for fam in (k for k in pairs if k != "e2e step"):
+        out.append(summarise("composition", name, name, fam, "e2e", pairs[fam], "the term alone, predicted as above"))
+    return out
+
+
+# -- depth ---------------------------------------------------------------------------------------
+
+def _line(xs: Sequence[float], ys: Sequence[float]) -> Callable[[float], float]:
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return lambda x: my + b * (x - mx)
+
+
+def depth(data: Dataset) -> list[BacktestRow]:
+    rows = [r for r in rows_of(data.tables, "e2e") if r["source"] == "measured" and r["step_ms_p50"]]
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(e2e_key(r, without=("layers",)), []).append(r)
+    pairs: list[Pair] = []
+    for key, g in groups.items():
+        full = config_of(g[0]).layers
+        deep = [r for r in g if r["layers"] == full]
+        shallow = sorted((r for r in g if r["layers"] and r["layers"] < full), key=lambda r: r["layers"])
+        if not deep or len({r["layers"] for r in shallow}) < 2:
+            continue
+        c = _line([r["layers"] for r in shallow], [r["step_ms_p50"] for r in shallow])(full)
+        pairs.append((deep[0]["step_ms_p50"], c, key))
+    depths = sorted({r["layers"] for r in rows if r["layers"]})
+    detail = ("full-depth step from a straight line through the shallower depths of the same point" if pairs else
+              f"needs rows at 2 or more shallow depths and at full depth (61 for k2) of the same point; "
+              f"this data has layers {', '.join(map(str, depths)) or 'none'}")
+    return [summarise("depth", data.name, data.name, "e2e step", "e2e", pairs, detail)]
+
+
+# -- size ----------------------------------------------------------------------------------------
+
+def _shape(p: dict[str, Any], fam: str) -> dict[str, float]:
+    return {a: float(p.get(a) or 0) for a in AXES[fam]}
+
+
+def size(data: Dataset) -> list[BacktestRow]:
+    kern = [k for k in rows_of(data.tables, "kernels") if k["source"] == "measured" and not host_side(k)]
+    ceil = measured_ceilings(data.tables["runs"], data.machine.spec)
+    out = []
+    fams: dict[str, list[dict[str, Any]]] = {}
+    for k in kern:
+        if family(k["kernel"]) in SIZE_AXIS:
+            fams.setdefault(label(k), []).append(k)
+    for fam_label, pts in sorted(fams.items()):
+        fam = family(pts[0]["kernel"])
+        axis, cut = SIZE_AXIS[fam], HOLD_OUT[SIZE_AXIS[fam]]
+        calib = [p for p in pts if (p.get(axis) or 0) < cut]
+        held = [p for p in pts if (p.get(axis) or 0) >= cut]
+        model = fit_family(fam, calib, *ceil.of(pts[0]["dtype"])) if calib else None
+        pairs: list[Pair] = []
+        regimes = []
+        for h in held:
+            if model is None or class_key(h) not in model.classes:
+                continue
+            got = model.time_us(class_key(h), _shape(h, fam), h["bytes"], h["flops"])
+            if got:
+                pairs.append((h["time_us_p50"], got[0].value, point_key(h)))
+                regimes.append(regime(h, *ceil.of(h["dtype"])))
+        reg = statistics.mode(regimes) if regimes else regime(pts[0], *ceil.of(pts[0]["dtype"]))
+        detail = (f"{axis} >= {cut} from {axis} < {cut}: the family's kernel model (latency + bytes / bandwidth + "
+                  "flops / compute, fitted on the smaller sizes) times the nearest calibrated point's residual")
+        out.append(summarise("size", data.name, data.name, fam_label, reg, pairs,
+                             detail if pairs else f"no points at {axis} >= {cut} with smaller ones of the same shape"))
+    return out
+
+
+def trend(prev: list[dict[str, Any]], to: dict[str, Any], axis: str) -> tuple[float, float, float]:
+    """Time at `to` by the power law through the two largest of `prev` (sorted along `axis`)."""
+    a, b = prev[-2], prev[-1]
+    slope = math.log(b["time_us_p50"] / a["time_us_p50"]) / math.log(b[axis] / a[axis])
+    scale = (to[axis] / b[axis]) ** slope
+    return tuple(scale * (b.get(k) or b["time_us_p50"]) for k in ("time_us_p50", "time_us_p10", "time_us_p90"))  # type: ignore[return-value]
+
+
+# -- tensor parallel -----------------------------------------------------------------------------
+
+def tensor_parallel(data: Dataset) -> list[BacktestRow]:
+    kern = [k for k in rows_of(data.tables, "kernels") if k["source"] == "measured" and not host_side(k)]
+    ceil = measured_ceilings(data.tables["runs"], data.machine.spec)
+    out = []
+    by_fam: dict[str, list[dict[str, Any]]] = {}
+    for k in preferred(kern):
+        if family(k["kernel"]) in AXES:
+            by_fam.setdefault(label(k), []).append(k)
+    for fam_label, pts in sorted(by_fam.items()):
+        fam = family(pts[0]["kernel"])
+        full = [p for p in pts if tp_of(p) == 1]
+        shard = [p for p in pts if tp_of(p) > 1]
+        if not full or not shard:
+            continue
+        model = fit_family(fam, full, *ceil.of(pts[0]["dtype"]))
+        pairs = [(k["time_us_p50"], got[0].value, point_key(k)) for k in shard
+                 for got in [model.time_us(class_key(k), _shape(k, fam), k["bytes"], k["flops"])] if got]
+        out.append(summarise("tp", data.name, data.name, fam_label, regime(shard[0], *ceil.of(shard[0]["dtype"])),
+                             pairs, "TP-N shard shapes from the full shapes' kernel model (at the shard's bytes/flops)"))
+    e2e = calibration_rows(rows_of(data.tables, "e2e"))
+    degrees = sorted({tp_of(r) for r in e2e})
+    if 1 not in degrees or len(degrees) < 2:
+        out.append(BacktestRow("tp", data.name, data.name, "e2e rank step", "e2e", 0,
+                               detail=f"needs e2e rows at TP-1 and TP-N of the same point; this data has tp "
+                                      f"{', '.join(map(str, degrees)) or 'none'}"))
+        return out
+    model = build(data.tables, data.machine, data.machine, [r for r in e2e if tp_of(r) == 1])
+    for n in degrees[1:]:
+        rank, real = [], []
+        for m in (r for r in e2e if tp_of(r) == n):
+            s = answer(model, query_of(m), config_of(m))
+            key = e2e_key(m, without=("synthetic_accept",))
+            if m.get("comm_source") == "measured":   # a real N-GPU run: the whole step, comm included
+                real.append((m["step_ms_p50"] + breakdown(m)["comm_ms"], s.step_ms + s.ms["comm"], key))
+            else:                                    # one rank on one GPU: its compute, comm left out
+                rank.append((m["step_ms_p50"], s.step_ms, key))
+        out.append(summarise("tp", data.name, data.name, f"e2e TP-{n} rank step", "e2e", rank,
+                             f"TP-{n} rank step (without comm) from the step model calibrated on the TP-1 rows, "
+                             f"with the measured TP-{n} shard kernels where there are"))
+        if real:
+            out.append(summarise("tp", data.name, data.name, f"e2e {n}-GPU step", "e2e", real,
+                                 f"a real {n}-GPU run (measured comm) from the 1-GPU rows"))
+    return out
+
+
+# -- cross-host ----------------------------------------------------------------------------------
+
+def cross_host(data: Sequence[Dataset], outside: Sequence[Dataset] = ()) -> list[BacktestRow]:
+    own = [d for d in data if not is_outside(d.tables)]
+    out: list[BacktestRow] = []
+    if len(own) < 2 and not outside:
+        return [BacktestRow("cross-host", own[0].name if own else "-", "-", "all", "e2e", 0,
+                            detail="needs a second measured host (or imported outside figures)")]
+    for ref in own:
+        for tgt in [*own, *outside]:
+            if tgt.name == ref.name:
+                continue
+            tps = {tp_of(r) for r in rows_of(tgt.tables, "e2e")} or {1}
+            machine = replace(tgt.machine, gpus=max(tps))   # the target as its e2e rows ran
+            proj = project(ref.tables, ref.machine, machine)
+            out += compare(ref, tgt, machine, proj, relax_impl=is_outside(tgt.tables))
+    return out
+
+
+def compare(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bool = False) -> list[BacktestRow]:
+    """Projection error per kernel family and for e2e tokens/s, on the points both sides have.
+
+    `relax_impl` matches an outside kernel (another implementation) with kdbench's at the same shape."""
+    out = []
+    at = POINT_KEY.index("impl")
+    drop = lambda k: k[:at] + k[at + 1:] if relax_impl else k  # noqa: E731
+    got: dict[tuple, dict[str, Any]] = {}
+    for p in preferred(rows_of(proj, "kernels")) if relax_impl else rows_of(proj, "kernels"):
+        got.setdefault(drop(point_key(p)), p)
+    fams: dict[str, list[Pair]] = {}
+    regs: dict[str, str] = {}
+    for m in rows_of(tgt.tables, "kernels"):
+        p = got.get(drop(point_key(m)))
+        if p:
+            name = f"{label(p)} vs {m['impl']}" if relax_impl and p["impl"] != m["impl"] else label(m)
+            fams.setdefault(name, []).append((m["time_us_p50"], p["time_us_p50"], point_key(m)))
+            regs[name] = p["regime"] or "-"
+    detail = "outside figures of another implementation: the gap is kdbench's kernel against theirs, " \
+             "not only projection error" if relax_impl else "projected from the reference's own run"
+    out += [summarise("cross-host", ref.name, tgt.name, f, regs[f], v, detail) for f, v in sorted(fams.items())]
+    pairs = _e2e_pairs(ref, tgt, machine, proj, relax_impl)
+    what = "config, layers, tp, concurrency" + ("" if relax_impl else ", budget, acceptance")
+    out.append(summarise("cross-host", ref.name, tgt.name, "e2e tokens/s", "e2e", pairs,
+                         (f"{detail}; each outside row against the step model at its configuration (the "
+                          "reference's budget and shortest prompts, the median over its measured acceptances: the source states none)" if relax_impl else detail)
+                         if pairs else f"no e2e point of the target matches a projected one ({what})"))
+    return out
+
+
+def _e2e_pairs(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bool) -> list[Pair]:
+    """(measured, projected, group) tokens/s of the target's e2e rows."""
+    if not relax_impl:
+        got = {e2e_key(e): e for e in rows_of(proj, "e2e")}
+        return [(m["tokens_per_s"], p["tokens_per_s"], e2e_key(m)) for m in rows_of(tgt.tables, "e2e")
+                if m["tokens_per_s"] for p in [got.get(e2e_key(m))] if p]
+    # an outside serving figure states no tree budget, acceptance or prompt length: the step model
+    # answers it at the reference's budget and shortest prompts, at each acceptance the reference
+    # measured, and the median answer stands for it (the fastest would be biased up by construction)
+    model = build(ref.tables, ref.machine, machine)
+    levels = calibration_rows(rows_of(ref.tables, "e2e"))
+    out: list[Pair] = []
+    for m in rows_of(tgt.tables, "e2e"):
+        cands = [r for r in levels if r.get("layers") == m.get("layers")]
+        if not m["tokens_per_s"] or not cands:
+            continue
+        shortest = min(r["context"] for r in cands)
+        answers = [answer(model, replace(query_of(r), tp=tp_of(m), concurrency=m["concurrency"], context=shortest),
+                          config_of(r)).tokens_per_s for r in cands]
+        out.append((m["tokens_per_s"], statistics.median(answers), e2e_key(m)))
+    return out
+
+
+# -- all of them ---------------------------------------------------------------------------------
+
+def backtest(data: Sequence[Dataset], outside: Sequence[Dataset] = ()) -> list[BacktestRow]:
+    """Every backtest over kdbench's measured datasets (and outside figures for cross-host)."""
+    rows: list[BacktestRow] = []
+    for d in data:
+        rows += composition(d) + depth(d) + size(d) + tensor_parallel(d)
+    return rows + cross_host(data, outside)
+
+
+def backtests_of(store: Store, inv: Inventory) -> list[BacktestRow]:
+    """Every backtest over the store's measured data (none when there is none)."""
+    own = measured_datasets(store, inv)
+    if not own:
+        return []
+    return backtest(own, [d for d in measured_datasets(store, inv, outside=True) if is_outside(d.tables)])
+
+
+def store_backtest(store: Store, rows: Iterable[BacktestRow]) -> None:
+    store.put_json(STORED, [asdict(r) for r in rows])
+
+
+def stored_backtest(store: Store) -> list[BacktestRow]:
+    """The backtest rows `kdbench backtest` (or the flow) stored last; empty when never run."""
+    return [BacktestRow(**{**r, "ratios": tuple(r.get("ratios", ())), "groups": tuple(r.get("groups", ()))})
+            for r in store.get_json(STORED) or []]
+
+
+def refresh(store: Store, inv: Inventory, reference: str) -> dict[str, str]:
+    """Store what the notes read and never compute: the backtests, then (with their evidence for the
+    bands) a projection from `reference` of every inventory host without a measured run and every
+    host's what-if grid. Returns the hosts that could not be projected, and why."""
+    rows = backtests_of(store, inv)
+    store_backtest(store, rows)
+    failed = {}
+    for host in unmeasured_hosts(store, inv):
+        try:
+            project_host(store, inv, host, reference, evidence=rows)
+        except (ProjectionError, StoreError) as e:
+            failed[host] = str(e)
+    if rows:
+        store_grids(store, inv, reference, rows)
+    return failed

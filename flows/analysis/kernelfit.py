@@ -1,0 +1,184 @@
+"""Kernel-family time models fitted on a measured sweep: an additive roofline plus each point's own residual.
+
+A family's points at one shape class (a TP degree's shard shapes; for dense GEMMs also the op) are
+fitted by `latency + bytes / bandwidth + flops / compute` (non-negative least squares in relative
+error): a fixed launch chain, the weight stream, the math. The MoE's compute rate is one for all its
+shape classes (the same W4A16 inner loop), so the full shapes' large-M points inform the shards'.
+A query's time is that fit at the query's bytes and flops times the measured/fit ratio interpolated
+between the measured shapes (flows.analysis.interp): a measured shape comes back as measured, a shape between
+two lies on the family's own curve, and one outside the sweep follows the fit (the ratio held at the
+edge) and is labelled extrapolated. Carried to another machine (`Carry`), the latency stays, the
+bandwidth goes by Little's law (flows.analysis.carrier) and the compute rate by the ratio of the ceilings;
+the latency-bound tree kernels stay as measured.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from engine.config import ModelConfig
+from engine.costs import build_tree_cost, expected_experts, mla_cost, moe_cost, tree_accept_cost
+from flows.analysis.carrier import Side, memory_gbps
+from flows.analysis.families import family, host_side, preferred, tp_of
+from flows.analysis.interp import Estimate, interpolate
+
+AXES = {"moe_w4a16": ("M",), "mla_tree_attention": ("batch", "budget", "context"),
+        "build_tree": ("batch", "budget"), "tree_accept": ("batch", "budget"), "dense_gemm": ("M",)}
+SHARED_COMPUTE = {"moe_w4a16"}
+KEPT = {"build_tree", "tree_accept"}     # latency-bound on every GPU: carried unchanged
+Key = tuple                              # a shape class: (tp,) or, for dense GEMMs, (op, tp)
+
+
+@dataclass(frozen=True)
+class Fit:
+    latency_us: float
+    us_per_byte: float
+    us_per_flop: float
+
+    def us(self, nbytes: float, flops: float) -> float:
+        return self.latency_us + nbytes * self.us_per_byte + flops * self.us_per_flop
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    fit: Fit | None                                           # None: a latency-bound family, no roofline
+    samples: tuple[tuple[Mapping[str, float], float], ...]   # shape -> measured / fit (no fit: the time)
+    tp: int
+    dtype: str                                                # whose ceilings its compute term carries by
+
+
+@dataclass(frozen=True)
+class Carry:
+    """The reference and target as the carrier sees them (ceilings of the family's dtype)."""
+
+    ref: Side
+    tgt: Side
+
+    def fit(self, f: Fit) -> Fit:
+        gbps = 1e-3 / f.us_per_byte if f.us_per_byte else None
+        per_byte = 1e-3 / min(memory_gbps(gbps, self.ref, self.tgt), self.tgt.gbps) if gbps else 0.0
+        return Fit(f.latency_us, per_byte, f.us_per_flop * self.ref.tflops / self.tgt.tflops)
+
+
+@dataclass(frozen=True)
+class FamilyModel:
+    family: str
+    classes: dict[Key, ShapeClass] = field(default_factory=dict)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return AXES[self.family]
+
+    def pick(self, key: Key) -> tuple[Key, str] | None:
+        """The measured class a query of class `key` is carried from, and how ("" when measured)."""
+        if key in self.classes:
+            return key, ""
+        same = [k for k in self.classes if k[:-1] == key[:-1]]
+        if not same:
+            return None
+        near = min(same, key=lambda k: (abs(math.log(k[-1] / key[-1])), k[-1]))
+        return near, f"re-sharded from TP-{near[-1]} points"
+
+    def time_us(self, key: Key, shape: Mapping[str, float], nbytes: float, flops: float,
+                carry: Callable[[str], Carry | None] | None = None) -> tuple[Estimate, str] | None:
+        """The family's time at a shape of class `key` (None when the family has no class to carry it from);
+        `carry(dtype)` gives the carry to another machine for a class's dtype (None: this machine)."""
+        picked = self.pick(key)
+        if picked is None:
+            return None
+        cls = self.classes[picked[0]]
+        if cls.fit is None:     # time itself along the sweep, its edge trend extended; the same on any GPU
+            return interpolate(cls.samples, shape, self.axes, beyond="slope"), picked[1]
+        to = carry(cls.dtype) if carry else None
+        fit = cls.fit if to is None else to.fit(cls.fit)
+        return interpolate(cls.samples, shape, self.axes).scaled(fit.us(nbytes, flops)), picked[1]
+
+
+def cost_of(fam: str, cfg: ModelConfig, shape: Mapping[str, float], tp: int = 1) -> tuple[float, float]:
+    """(bytes, flops) of a family at a shape (engine.costs), the routed experts at the expected unique count."""
+    if fam == "moe_w4a16":
+        m = int(shape["M"])
+        return moe_cost(cfg, m, expected_experts(cfg.experts, cfg.top_k, m), tp=tp)
+    if fam == "mla_tree_attention":
+        return mla_cost(cfg, int(shape["batch"]), int(shape["budget"]), int(shape["context"]), tp=tp)
+    if fam == "build_tree":
+        return build_tree_cost(cfg, int(shape["batch"]), int(shape["budget"]))
+    return tree_accept_cost(cfg, int(shape["batch"]), int(shape["budget"]))
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by trying every subset of free columns (a handful of them)."""
+    best, best_res = np.zeros(a.shape[1]), float(np.sum(b ** 2))
+    for r in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), r):
+            x, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+            if np.all(x >= 0):
+                res = float(np.sum((a[:, cols] @ x - b) ** 2))
+                if res < best_res - 1e-12:
+                    best_res, best = res, np.zeros(a.shape[1])
+                    best[list(cols)] = x
+    return best
+
+
+def class_key(row: Mapping[str, Any]) -> Key:
+    return (row["op"], tp_of(row)) if family(row["kernel"]) == "dense_gemm" else (tp_of(row),)
+
+
+def fit_family(name: str, rows: Sequence[Mapping[str, Any]], gbps: float, tflops: float) -> FamilyModel:
+    """The family's model from its measured points (the engine's preferred impl at each shape).
+
+    Classes with fewer points than parameters fall back to the roofline at the ceilings (with the
+    points' own ratio to it)."""
+    groups: dict[Key, list[Mapping[str, Any]]] = {}
+    for r in preferred([r for r in rows if family(r["kernel"]) == name and not host_side(r)]):
+        groups.setdefault(class_key(r), []).append(r)
+    shared = name in SHARED_COMPUTE and sum(len(g) >= 2 for g in groups.values()) >= 1
+    keys = sorted(groups, key=repr)
+    fits = {} if name in KEPT else _fit(keys, groups, shared)
+    default = Fit(0.0, 1 / (gbps * 1e3), 1 / (tflops * 1e6))
+    classes = {}
+    for k in keys:
+        fit = None if name in KEPT else fits.get(k) or default
+        samples = tuple(({a: float(p.get(a) or 0) for a in AXES[name]},
+                         p["time_us_p50"] / (fit.us(p["bytes"], p["flops"]) if fit else 1.0)) for p in groups[k])
+        classes[k] = ShapeClass(fit, samples, k[-1], groups[k][0]["dtype"])
+    return FamilyModel(name, classes)
+
+
+def _fit(keys: list[Key], groups: dict[Key, list[Mapping[str, Any]]], shared: bool) -> dict[Key, Fit]:
+    """Per class (latency, us/byte, us/flop); with `shared`, one us/flop for all fitted classes."""
+    fitted = [k for k in keys if len(groups[k]) >= (3 if not shared else 2)]
+    if not fitted:
+        return {}
+    blocks = [fitted] if shared else [[k] for k in fitted]
+    out = {}
+    for block in blocks:
+        rows, ts = [], []
+        width = 2 * len(block) + 1
+        for i, k in enumerate(block):
+            for p in groups[k]:
+                v = np.zeros(width)
+                v[2 * i], v[2 * i + 1], v[-1] = 1.0, p["bytes"], p["flops"]
+                rows.append(v)
+                ts.append(p["time_us_p50"])
+        a, t = np.array(rows), np.array(ts)
+        scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
+        x = _nnls(a / t[:, None] / scale, np.ones_like(t)) / scale
+        for i, k in enumerate(block):
+            out[k] = Fit(float(x[2 * i]), float(x[2 * i + 1]), float(x[-1]))
+    return out
+
+
+def fit_all(rows: Sequence[Mapping[str, Any]], ceilings: Any) -> dict[str, FamilyModel]:
+    """Every known family's model; `ceilings.of(dtype)` gives the (GB/s, TFLOP/s) of the fallback roofline."""
+    out = {}
+    for name in AXES:
+        pts = [r for r in rows if family(r["kernel"]) == name and not host_side(r)]
+        if pts:
+            out[name] = fit_family(name, pts, *ceilings.of(pts[0]["dtype"]))
+    return out

@@ -1,0 +1,382 @@
+"""Projection of a measured run onto another machine: a pure function of tables.
+
+`project(tables, reference, target, evidence)` takes a measured run's tables, the machine they ran
+on, the machine to project onto and the stored backtests (the evidence for the bands), and returns
+projected tables in the kdbench schema; nothing here reads or writes the store, talks to Prefect or
+writes prose. The assumptions travel as data (a list of records in every table's provenance, key
+`assumptions`) that the notes turn into sentences.
+
+Kernel points of the families kdbench models are carried by their kernel models (flows.analysis.kernelfit:
+latency kept, bandwidth by Little's law, compute by the ratio of the ceilings); the ceilings are the
+reference's measured copy bandwidth and matmul throughput and the same fractions of the target's
+spec sheet, so projecting a machine onto itself gives back its measurements. Other points keep
+their own efficiency on the resource that bounds them (`project_point`); host-side work (a CPU
+kernel, Python) is kept. Each measured e2e row becomes the step model's answer (flows.analysis.stepmodel) at
+its configuration on one rank of a TP-(target GPUs) deployment, comm over the target's own links,
+tokens a step as the row measured them. A figure's band comes from the held-out errors of the carries
+it used (flows.analysis.bands): unknown where the evidence is too thin. Every record says `source = projected`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from engine.schema import provenance, to_table
+from flows.analysis.bands import MIN_POINTS, Band, combine, step_band
+from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError,
+                                     Tables, allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
+from flows.analysis.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, bound, e2e_key, family,
+                                     host_side, label, point_key, regime, tp_of)
+from flows.analysis.kernelfit import AXES, class_key
+from flows.analysis.stepmodel import (COLUMN, FAMILIES, Model, answer, build, calibration_rows, config_of, query_of,
+                                      step_spread)
+
+__all__ = ["ALLREDUCES_PER_LAYER", "Machine", "ProjectionError", "Tables", "allreduce_us", "assumptions",
+           "breakdown", "has_split", "measured_ceilings", "project", "project_point", "rows_of"]
+
+TERMS = ("draft_ms", "tree_build_ms", "verify_ms", "accept_ms", "other_ms", "comm_ms")
+# What launching a GPU kernel costs on the host, kept as is on any target (capped at half a point's time).
+LAUNCH_FLOOR_US = 3.0
+# The reference's skipped e2e points named in the assumptions (each reason cut): a bounded provenance.
+NOT_MEASURED_LISTED, SKIP_REASON_CHARS = 20, 300
+
+
+def assumptions(tables: Tables) -> list[dict[str, Any]]:
+    """The assumption records a projection stored with its tables."""
+    return list(provenance(tables["runs"]).get("assumptions", []))
+
+
+# -- kernel points ------------------------------------------------------------------------------
+
+def _ideal_us(row: dict[str, Any], bw_gbps: float, tflops: float) -> tuple[float, float]:
+    """Roofline times (us) of the point's bytes and flops at the given ceilings."""
+    return row["bytes"] / (bw_gbps * 1e3), row["flops"] / (tflops * 1e6)
+
+
+def launch_floor(row: dict[str, Any]) -> float:
+    return min(LAUNCH_FLOOR_US, 0.5 * row["time_us_p50"])
+
+
+def own_effs(row: dict[str, Any], t_us: float, bw: float, tfl: float) -> tuple[float, float]:
+    """The point's efficiency on bandwidth and on flops: roofline time over the time above the floor."""
+    tb, tf = _ideal_us(row, bw, tfl)
+    work = max(t_us - launch_floor(row), 1e-9)
+    return tb / work, tf / work
+
+
+def family_effs(rows: Sequence[dict[str, Any]], ceil: Ceilings) -> dict[tuple, dict[str, list[float]]]:
+    """Per (kernel, impl, dtype): efficiencies of the points bound by each resource, for borrowing."""
+    out: dict[tuple, dict[str, list[float]]] = {}
+    for r in rows:
+        if host_side(r):
+            continue
+        bw, tfl = ceil.of(r["dtype"])
+        e_bw, e_fl = own_effs(r, r["time_us_p50"], bw, tfl)
+        fam = out.setdefault((r["kernel"], r["impl"], r["dtype"]), {MEMORY: [], COMPUTE: []})
+        which = bound(*_ideal_us(r, bw, tfl))
+        fam[which].append(e_bw if which == MEMORY else e_fl)
+    return out
+
+
+def project_point(row: dict[str, Any], ref: tuple[float, float], tgt: tuple[float, float],
+                  fam: dict[str, list[float]] | None) -> dict[str, Any]:
+    """One kernel point on the target: time, low-high band, regime on both sides.
+
+    `ref`/`tgt` are (GB/s, TFLOP/s) ceilings for the point's dtype. The bound resource keeps the
+    point's own efficiency; the other borrows the family's (never below what the point achieved
+    on it), so a point that crosses the ridge on the target is timed by its family's efficiency.
+    """
+    if host_side(row):
+        t = row["time_us_p50"]
+        return {"time_us_p50": t, "time_us_low": row["time_us_p10"] or t,
+                "time_us_high": row["time_us_p90"] or t, "regime": HOST, "reference_regime": HOST}
+    if regime(row, *ref) == LATENCY:   # kept; the band reaches the roofline-scaled time
+        t, floor = row["time_us_p50"], launch_floor(row)
+        at_ref, at_tgt = max(_ideal_us(row, *ref)), max(_ideal_us(row, *tgt))
+        scaled = floor + (t - floor) * at_tgt / at_ref if at_ref else t
+        return {"time_us_p50": t, "time_us_low": min(row["time_us_p10"] or t, scaled),
+                "time_us_high": max(row["time_us_p90"] or t, scaled), "regime": LATENCY,
+                "reference_regime": LATENCY}
+    floor = launch_floor(row)
+    tb_ref, tf_ref = _ideal_us(row, *ref)
+    tb_tgt, tf_tgt = _ideal_us(row, *tgt)
+    which = bound(tb_ref, tf_ref)
+    other = COMPUTE if which == MEMORY else MEMORY
+    borrowed = sorted((fam or {}).get(other, []))
+    cands = [statistics.median(borrowed), borrowed[0], borrowed[-1]] if borrowed else [None]
+    times = [row[k] for k in ("time_us_p50", "time_us_p10", "time_us_p90") if row.get(k)]
+    results = []
+    for t in times:
+        e_bw, e_fl = own_effs(row, t, *ref)
+        e_bind = e_bw if which == MEMORY else e_fl
+        for c in cands:
+            e_other = max(e_fl if which == MEMORY else e_bw, c if c is not None else e_bind)
+            eb, ef = (e_bind, e_other) if which == MEMORY else (e_other, e_bind)
+            a = tb_tgt / eb if tb_tgt else 0.0
+            b = tf_tgt / ef if tf_tgt else 0.0
+            results.append((max(a, b) + floor, bound(a, b)))
+    t, reg = results[0]
+    every = [x for x, _ in results]
+    return {"time_us_p50": t, "time_us_low": min(every), "time_us_high": max(every),
+            "regime": reg, "reference_regime": which}
+
+
+def _spread(row: dict[str, Any]) -> float:
+    """Half the point's p10-p90 spread, relative to its median."""
+    lo, hi = row.get("time_us_p10"), row.get("time_us_p90")
+    return (hi - lo) / 2 / row["time_us_p50"] if lo and hi else 0.0
+
+
+def measured_band(row: dict[str, Any]) -> Band:
+    """The point's own p10 and p90 over its median: the band of a figure carried to the machine it
+    was measured on (multipliers, so a spread wider than the median never makes a time negative)."""
+    lo, hi, mid = row.get("time_us_p10"), row.get("time_us_p90"), row["time_us_p50"]
+    return Band(min(lo / mid, 1.0) if lo else 1.0, max(hi / mid, 1.0) if hi else 1.0)
+
+
+def project_kernels(rows: list[dict[str, Any]], model: Model, evidence: Sequence[Any], run_id: str,
+                    ref_run_id: str) -> list[dict[str, Any]]:
+    """Every measured point on the target: by its family's kernel model where kdbench has one (its band
+    from the cross-host evidence of that family; the p10-p90 spread on the reference's own machine),
+    else by `project_point`."""
+    effs = family_effs(rows, model.ref_c)
+    out = []
+    for r in rows:
+        fam = model.fams.get(family(r["kernel"]))
+        got = None if fam is None or host_side(r) else fam.time_us(
+            class_key(r), {a: float(r.get(a) or 0) for a in AXES[fam.family]}, r["bytes"], r["flops"],
+            model.carry)
+        if got is None:
+            p = project_point(r, model.ref_c.of(r["dtype"]), model.tgt_c.of(r["dtype"]),
+                              effs.get((r["kernel"], r["impl"], r["dtype"])))
+        else:
+            t = got[0].value
+            if model.cross_host:
+                rows_ = [e for e in evidence if e.kind == "cross-host" and e.family.startswith(label(r))]
+                ratios = tuple(x for e in rows_ for x in e.ratios)
+                band = combine({f"cross-host {label(r)}": ((ratios, tuple(map(str, range(len(ratios))))), 1.0)},
+                               _spread(r))
+            else:
+                band = measured_band(r)
+            p = {"time_us_p50": t, "time_us_low": t * band.low if band.known else None,
+                 "time_us_high": t * band.high if band.known else None,
+                 "regime": regime({**r, "time_us_p50": t}, *model.tgt_c.of(r["dtype"])) if not host_side(r) else HOST,
+                 "reference_regime": regime(r, *model.ref_c.of(r["dtype"]))}
+        t = p["time_us_p50"]
+        out.append({**r, **p, "run_id": run_id, "source": "projected", "reference_run_id": ref_run_id,
+                    "device": "cpu" if model.target.spec.arch == "cpu" else "cuda",
+                    "time_us_p10": None, "time_us_p90": None,
+                    "achieved_gbps": r["bytes"] / (t * 1e3), "achieved_tflops": r["flops"] / (t * 1e6)})
+    return out
+
+
+# -- communication ----------------------------------------------------------------------------
+
+def project_comm(model: CommModel, run_id: str) -> list[dict[str, Any]]:
+    if model.n <= 1 or not model.link_gbps:
+        why = "one GPU" if model.n <= 1 else "no link bandwidth in the spec sheet"
+        return [{"run_id": run_id, "op": "all_reduce", "world_size": model.n, "bytes": 0,
+                 "status": "skipped", "skip_reason": why, "source": "projected"}]
+    out = []
+    for p in range(10, 31, 4):   # 1 KiB .. 1 GiB
+        nbytes = 1 << p
+        t = model.time_us(nbytes)
+        alg = nbytes / (t * 1e3)
+        out.append({"run_id": run_id, "op": "all_reduce", "world_size": model.n, "bytes": nbytes,
+                    "time_us_p50": t, "algbw_gbps": alg, "busbw_gbps": alg * 2 * (model.n - 1) / model.n,
+                    "status": "ok", "source": "projected"})
+    return out
+
+
+# -- end to end ---------------------------------------------------------------------------------
+
+def breakdown(row: dict[str, Any]) -> dict[str, float]:
+    """The step split in ms; whatever the terms do not cover of the p50 step counts as other_ms."""
+    terms = {t: float(row.get(t) or 0.0) for t in TERMS}
+    rest = (row.get("step_ms_p50") or 0.0) - sum(terms.values())
+    if rest > 0:
+        terms["other_ms"] += rest
+    return terms
+
+
+def has_split(row: dict[str, Any]) -> bool:
+    """Whether the row says how its step divides (an outside serving figure does not)."""
+    return any(row.get(t) is not None for t in TERMS)
+
+
+def choose_rows(rows: list[dict[str, Any]], tp: int) -> list[dict[str, Any]]:
+    """Per e2e point (any TP degree), the row a TP-`tp` target is carried from: the nearest degree."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(e2e_key(r, without=("tp",)), []).append(r)
+    return [min(groups[k], key=lambda r: (abs(tp_of(r) - tp), -tp_of(r))) for k in sorted(groups, key=repr)]
+
+
+def project_e2e(tables: Tables, model: Model, evidence: Sequence[Any], run_id: str,
+                ref_run_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each measured point as one rank of a TP-(target GPUs) deployment, by the step model. Returns the
+    rows and, per source degree, how it was carried."""
+    tp = max(model.target.gpus, 1)
+    rows = calibration_rows(rows_of(tables, "e2e"))
+    spread = step_spread(rows)
+    out, how = [], {}
+    for r in choose_rows([r for r in rows if has_split(r)], tp):
+        s = answer(model, replace(query_of(r), tp=tp), config_of(r))
+        entry = how.setdefault(tp_of(r), {"from_tp": tp_of(r), "how": "same" if tp_of(r) == tp else "model",
+                                          "points": 0})
+        entry["points"] += 1
+        # tokens a step as the reference measured them (accepted drafts + 1 bonus, its decode's tail included)
+        per_step = r["tokens_per_s"] * (r["step_ms_p50"] + (r.get("comm_ms") or 0.0)) / 1e3 / r["concurrency"] \
+            if r["tokens_per_s"] else (r["accept_len_mean"] or 0.0) + 1.0
+        tps = r["concurrency"] * per_step / (s.step_ms + s.ms["comm"]) * 1e3
+        low, high = step_band(s, evidence, spread).of_rate(tps)
+        out.append({**{k: r.get(k) for k in ("config", "layers", "concurrency", "budget", "context", "synthetic_accept",
+                                              "accept_len_mean", "weight_sets", "vocab")},
+                    **{COLUMN[f]: s.ms[f] for f in FAMILIES}, "comm_ms": s.ms["comm"],
+                    "kernel_ms": s.step_ms - s.ms["host"], "outside_ms": s.ms["host"],
+                    "tp": tp, "comm_source": "modelled" if tp > 1 else "none",
+                    "run_id": run_id, "device": "cpu" if model.target.spec.arch == "cpu" else "cuda",
+                    "step_ms_p50": s.step_ms, "tokens_per_s": tps, "tokens_per_s_low": low, "tokens_per_s_high": high,
+                    "source": "projected", "reference_run_id": ref_run_id})
+    return out, [how[k] for k in sorted(how)]
+
+
+# -- whole projection ---------------------------------------------------------------------------
+
+def projected_run_id(target: str, ref_run_id: str) -> str:
+    """Deterministic, so re-projecting the same inputs rewrites the same run."""
+    return f"proj-{target}-from-{ref_run_id}"[:128]
+
+
+@dataclass
+class _Parts:
+    run_id: str
+    model: Model
+    kproj: list[dict[str, Any]]
+    eproj: list[dict[str, Any]]
+    tp_how: list[dict[str, Any]]
+    comm: CommModel
+    skipped_e2e: int
+    not_measured: list[dict[str, Any]]   # the reference's skipped e2e points: nothing to carry
+
+
+def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str, evidence: Sequence[Any]) -> _Parts:
+    if "runs" not in tables:
+        raise ProjectionError(f"reference from {ref.name} has no runs table")
+    ref_run_id = tables["runs"].column("run_id")[0].as_py()
+    model = build(tables, ref, target)
+    kern = [r for r in rows_of(tables, "kernels") if r["source"] == "measured"]
+    kproj = project_kernels(kern, model, evidence, run_id, ref_run_id)
+    comm = comm_model(rows_of(tables, "comm"), ref, target)
+    eproj, how = project_e2e(tables, model, evidence, run_id, ref_run_id)
+    e2e = [r for r in rows_of(tables, "e2e") if r["source"] == "measured"]
+    ok = [r for r in e2e if r["status"] == "ok"]
+    skipped = [{"tp": tp_of(r), **{k: r[k] for k in ("concurrency", "budget", "context", "synthetic_accept")},
+                "reason": (r["skip_reason"] or "-")[:SKIP_REASON_CHARS]} for r in e2e if r["status"] != "ok"]
+    return _Parts(run_id, model, kproj, eproj, how, comm, sum(1 for r in ok if not has_split(r)), skipped)
+
+
+def _widen(low: float | None, high: float | None, other: dict[str, Any], central: str, lo_k: str,
+           hi_k: str) -> tuple[float | None, float | None]:
+    """A band widened to take in another reference's figure and band (an unknown band stays unknown)."""
+    if low is None or high is None:
+        return low, high
+    return (min(low, other[lo_k] if other[lo_k] is not None else low, other[central]),
+            max(high, other[hi_k] if other[hi_k] is not None else high, other[central]))
+
+
+def project(tables: Tables, ref: Machine, target: Machine,
+            also: Sequence[tuple[Tables, Machine]] = (), evidence: Sequence[Any] = ()) -> Tables:
+    """The reference's measured tables carried onto `target`, bands from `evidence` (stored backtest
+    rows); further references widen the band."""
+    ref_runs = tables["runs"].to_pylist() if "runs" in tables else []
+    if not ref_runs:
+        raise ProjectionError(f"reference from {ref.name} has no runs rows")
+    ref_run_id = ref_runs[0]["run_id"]
+    run_id = projected_run_id(target.name, ref_run_id)
+    main = _parts(tables, ref, target, run_id, evidence)
+    for x in (_parts(t, m, target, run_id, evidence) for t, m in also):
+        other = {point_key(p): p for p in x.kproj}
+        for p in main.kproj:
+            if (o := other.get(point_key(p))):
+                p["time_us_low"], p["time_us_high"] = _widen(p["time_us_low"], p["time_us_high"], o, "time_us_p50",
+                                                             "time_us_low", "time_us_high")
+        other = {e2e_key(e): e for e in x.eproj}
+        for e in main.eproj:
+            if (o := other.get(e2e_key(e))):
+                e["tokens_per_s_low"], e["tokens_per_s_high"] = _widen(
+                    e["tokens_per_s_low"], e["tokens_per_s_high"], o, "tokens_per_s", "tokens_per_s_low",
+                    "tokens_per_s_high")
+    refs = [ref_run_id] + [t["runs"].column("run_id")[0].as_py() for t, _ in also]
+    records = assumption_records(ref, target, ref_run_id, main, refs)
+    prov_ref = provenance(tables["runs"])
+    spec_figs = target.spec.model_dump(exclude={"sources"})
+    device = "cpu" if target.spec.arch == "cpu" else "cuda"
+    prov = {"run_id": run_id, "host": target.name, "gpu_name": target.spec.gpu, "gpu_count": target.gpus,
+            "arch": target.spec.arch, "device": device,
+            "started_at": prov_ref.get("started_at"), "ended_at": prov_ref.get("ended_at"),
+            "reference_run_id": ref_run_id, "reference_host": ref.name, "references": refs,
+            "spec": spec_figs, "assumptions": records}
+    if target.gpus > 1 and not any(r["suite"] == "comm" for r in ref_runs):
+        ref_runs.append({**ref_runs[0], "suite": "comm"})
+    comm_rows = project_comm(main.comm, run_id)
+    runs = []
+    for r in ref_runs:
+        suite = r["suite"]
+        n = {"kernels": len(main.kproj), "e2e": len(main.eproj), "comm": len(comm_rows)}.get(suite, 0)
+        status = "skipped" if suite == "comm" and comm_rows[0]["status"] == "skipped" else "complete"
+        runs.append({"run_id": run_id, "host": target.name, "suite": suite, "profile": r["profile"],
+                     "status": status, "gpu_name": target.spec.gpu, "gpu_count": target.gpus,
+                     "arch": target.spec.arch, "device": device, "started_at": r["started_at"],
+                     "ended_at": r["ended_at"], "copy_gbps": main.model.tgt_c.gbps, "matmul_tflops": main.model.tgt_c.tflops(),
+                     "points": n, "source": "projected",
+                     "note": json.dumps({"reference_run_id": ref_run_id, "spec": spec_figs,
+                                         "assumptions": records}, sort_keys=True)})
+    out = {"runs": to_table("runs", runs, prov)}
+    if "kernels" in tables:
+        out["kernels"] = to_table("kernels", main.kproj, prov)
+    if "e2e" in tables:
+        out["e2e"] = to_table("e2e", main.eproj, prov)
+    if any(r["suite"] == "comm" for r in runs):
+        out["comm"] = to_table("comm", comm_rows, prov)
+    return out
+
+
+def assumption_records(ref: Machine, target: Machine, ref_run_id: str, p: _Parts,
+                       refs: list[str]) -> list[dict[str, Any]]:
+    """What the projection assumed, as records (`what` names the kind); the notes word them."""
+    ref_c, tgt_c, cal = p.model.ref_c, p.model.tgt_c, p.model.cal
+    dt = DTYPE_KEYS.get(ref_c.mm_dtype, ref_c.mm_dtype)
+    recs: list[dict[str, Any]] = [
+        {"what": "reference_ceilings", "host": ref.name, "run_id": ref_run_id, "gpu": ref.spec.gpu,
+         "copy_gbps": ref_c.gbps, "copy_fraction": ref_c.bw_frac, "spec_gbps": ref.spec.mem_bw_gbps,
+         "matmul_tflops": ref_c.tflops(), "matmul_fraction": ref_c.fl_frac,
+         "spec_tflops": peak_tflops(ref.spec, ref_c.mm_dtype), "dtype": dt},
+        {"what": "target_ceilings", "host": target.name, "gpu": target.spec.gpu, "copy_gbps": tgt_c.gbps,
+         "matmul_tflops": tgt_c.tflops(), "dtype": dt},
+        {"what": "kernel_models", "families": sorted(p.model.fams), "sms": [ref.spec.sms, target.spec.sms],
+         "latency_ns": [ref.spec.mem_latency_ns, target.spec.mem_latency_ns]},
+        {"what": "kept", "launch_floor_us": LAUNCH_FLOOR_US, "latency_share": LATENCY_SHARE,
+         "host_side": sorted({"*/cpu"} | {f"{k}/{i}" for k, i in HOST_SIDE})},
+        {"what": "step_model", "rows": cal.rows, "split": cal.split, "tps": list(cal.tps),
+         "factors": {f: [min(v for _, v in s), max(v for _, v in s)] for f, s in sorted(cal.factors.items())},
+         "host_fixed_ms": cal.host_fixed_ms, "host_per_layer_ms": cal.host_per_layer_ms,
+         "notes": list(p.model.notes)},
+        {"what": "tensor_parallel", "target_tp": max(target.gpus, 1), "gpus": target.gpus, "rows": p.tp_how},
+    ]
+    if target.gpus > 1:
+        recs.append({"what": "comm", "gpus": target.gpus, "interconnect": target.interconnect,
+                     "link_gbps": p.comm.link_gbps, "alpha_us": p.comm.alpha_us,
+                     "efficiency": p.comm.effs[1], "efficiency_low": p.comm.effs[0],
+                     "efficiency_high": p.comm.effs[2], "calibrated": p.comm.calibrated,
+                     "allreduces_per_layer": ALLREDUCES_PER_LAYER})
+    if p.skipped_e2e:
+        recs.append({"what": "e2e_without_split", "rows": p.skipped_e2e})
+    if p.not_measured:
+        recs.append({"what": "e2e_not_measured", "count": len(p.not_measured),
+                     "points": p.not_measured[:NOT_MEASURED_LISTED]})
+    recs.append({"what": "band", "references": refs, "min_points": MIN_POINTS})
+    return recs

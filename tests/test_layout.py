@@ -1,0 +1,69 @@
+"""The controller's layout: the README's table matches the tree (a row for every flows/ subpackage, every path it
+names exists), and imports between the rooms run one way only."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from flows import REPO
+
+
+def _table_paths() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("## Layout"):].split("\n\n")[1]
+    return [p for row in table.splitlines() if row.startswith("| `")
+            for p in re.findall(r"`([^`]+)`", row.split("|")[1])]
+
+
+def test_every_flows_subpackage_has_a_row() -> None:
+    packages = sorted(f"flows/{d.name}/" for d in (REPO / "flows").iterdir() if (d / "__init__.py").is_file())
+    assert packages, "flows/ has no subpackages"
+    missing = [p for p in packages if p not in _table_paths()]
+    assert not missing, f"README.md's layout table has no row for {missing}"
+
+
+def test_every_path_in_the_table_exists() -> None:
+    paths = _table_paths()
+    assert "flows/" in paths and "tests/" in paths
+    gone = [p for p in paths if not (REPO / p).exists()]
+    assert not gone, f"README.md's layout table names paths that are not in the tree: {gone}"
+
+
+# Each room may import only the rooms below it (cli, at the top, may import any).
+BELOW = {
+    "inventory": set(),
+    "store": set(),
+    "transport": {"inventory", "store"},
+    "analysis": {"inventory", "store"},
+    "notes": {"analysis", "inventory", "store"},
+    "pipelines": {"analysis", "inventory", "notes", "store", "transport"},
+}
+NOTES = {"notes", "notes_whatif", "plots"}  # the notes' modules, flat in flows/ until they get their own room
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    return "notes" if parts[1] in NOTES else parts[1]
+
+
+def test_imports_run_one_way_between_the_rooms() -> None:
+    wrong = []
+    for f in sorted((REPO / "flows").rglob("*.py")):
+        module = ".".join(f.relative_to(REPO).with_suffix("").parts)
+        room = _room(module)
+        if room not in BELOW:
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):  # lazy imports inside functions count too
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("flows"):
+                names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "flows" else [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("flows.")]
+            for name in names:
+                target = _room(name)
+                if target not in (None, room) and target in BELOW.keys() | {"cli"} and target not in BELOW[room]:
+                    wrong.append(f"{module} imports {name}")
+    assert not wrong, wrong
