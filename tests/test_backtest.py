@@ -126,7 +126,7 @@ def test_an_outside_serving_figure_meets_the_median_acceptance_at_the_shortest_p
     """A published tokens/s states no acceptance or prompt length: the step model (faked here as
     tokens/s = 100 x accept - context / 100) answers at every acceptance the reference measured, at
     its shortest prompts, and the median stands for the figure; the fastest would flatter the model."""
-    from flows import backtest as bt
+    from flows.analysis import backtest as bt
 
     asked = []
 
@@ -151,7 +151,7 @@ def test_an_outside_serving_figure_meets_the_median_acceptance_at_the_shortest_p
 def test_the_stored_backtest_is_the_same_bytes_every_time(store: Store, inv: Inventory) -> None:
     """Evidence groups name the point (its key), never an object's address, so re-running the
     backtests on the same store stores the same JSON (no churn in artifacts/backtest/)."""
-    from flows.backtest import backtests_of
+    from flows.analysis.backtest import backtests_of
 
     first = backtests_of(store, inv)  # kept alive: a second run cannot reuse its rows' addresses
     second = backtests_of(store, inv)
