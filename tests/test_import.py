@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from engine.config import K2
 from engine.costs import expected_experts, int4_expert_bytes
 from engine.schema import provenance, read_table
+from flows.assumptions import E2eWithoutSplit
 from flows.backtest import refresh
 from flows.cli import app
 from flows.importer import ImportFileError, import_file
@@ -113,7 +114,7 @@ def test_outside_data_as_reference_and_beside_kdbench_figures(tmp_path: Path, in
     proj = project(ref.tables, ref.machine, machine_of(inv, "b300"))
     assert {k["impl"] for k in proj["kernels"].to_pylist()} == {"marlin"}
     assert proj["e2e"].num_rows == 0
-    assert {"what": "e2e_without_split", "rows": 2} in assumptions(proj)
+    assert E2eWithoutSplit(rows=2) in assumptions(proj)
     refresh(store, inv, "h200")
     views = {v.name: v for v in gather(store, inv)}
     assert views["pro6000"].kind == "projected" and len(views["pro6000"].outside) == 1
