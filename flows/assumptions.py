@@ -127,8 +127,8 @@ class SkippedPoint:
     concurrency: int
     budget: int
     context: int | None
-    synthetic_accept: float | None
     reason: str
+    synthetic_accept: float | None = None
 
 
 @dataclass(frozen=True)

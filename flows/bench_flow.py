@@ -42,10 +42,11 @@ from pydantic import BaseModel
 
 from flows import backtest
 from flows import deploy as deploy_mod
-from flows import notes as notes_mod
 from flows import reference as references
 from flows import whatif
 from flows.inventory import Host, Inventory, host_path, load_host, load_inventory, now, retire, update_host
+from flows.notes.publish import commit_notes, render_notes
+from flows.notes.summary import summary_lines
 from flows.projection import ProjectionError
 from flows.progress import Forward, log_line
 from flows.pull import Pulled, pull, quarantine, record_unfinished
@@ -322,14 +323,14 @@ def write_notes(store: Store, settings: Settings, subject: str,
         backtest.store_backtest(store, rows)   # the notes read these, never compute them
         if rows:
             whatif.store_grids(store, inv, settings.reference, rows)
-        paths = notes_mod.render_notes(store, inv, settings.docs_dir)
+        paths = render_notes(store, inv, settings.docs_dir)
         commit = None
         if settings.commit:
             yamls = [host_path(settings.hosts_dir, h) for h in hosts]
             repo = settings.repo.resolve()
             paths_in_repo = [*paths, *(y for y in yamls if y.resolve().is_relative_to(repo))]
-            message = "\n".join([subject, "", *notes_mod.summary_lines(store, inv)]) + "\n"
-            commit = notes_mod.commit_notes(repo, paths_in_repo, message, inv)
+            message = "\n".join([subject, "", *summary_lines(store, inv)]) + "\n"
+            commit = commit_notes(repo, paths_in_repo, message, inv)
     rel = [_rel(p, settings.docs_dir.parent) for p in paths if p.suffix == ".md"]
     log.info("notes: %d page(s) under %s/notes%s", len(rel), settings.docs_dir.name,
              f", committed {commit[:10]}" if commit else (" (not committed)" if not settings.commit else ", unchanged"))

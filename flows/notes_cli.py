@@ -29,7 +29,7 @@ Reference = typer.Option("h200", "--reference", envvar="KDBENCH_REFERENCE",
 def _expected() -> tuple[type[Exception], ...]:
     """The errors a command reports in one line: bad inventory, store, reference or notes input."""
     from engine.schema import SchemaError
-    from flows.notes import NotesError
+    from flows.notes.publish import NotesError
     from flows.projection import ProjectionError
     from flows.store import StoreError
     return InventoryError, StoreError, ProjectionError, SchemaError, NotesError
@@ -53,7 +53,9 @@ def notes(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir
     The same inputs always give the same bytes, so a commit only happens when a figure changed.
     """
     from flows.backtest import refresh
-    from flows.notes import commit_notes, gather, notes_message, render_notes
+    from flows.notes.gather import gather
+    from flows.notes.publish import commit_notes, render_notes
+    from flows.notes.summary import notes_message
     from flows.store import Store
 
     try:
@@ -88,7 +90,7 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
     from dataclasses import asdict
 
     from flows.backtest import backtests_of, store_backtest
-    from flows.notes import BACKTEST_COLUMNS, backtest_cells
+    from flows.notes.sections.backtest import BACKTEST_COLUMNS, backtest_cells
     from flows.store import Store
 
     try:

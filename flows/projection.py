@@ -274,8 +274,9 @@ def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str, evidence:
     eproj, how = project_e2e(tables, model, evidence, run_id, ref_run_id)
     e2e = [r for r in rows_of(tables, "e2e") if r["source"] == "measured"]
     ok = [r for r in e2e if r["status"] == "ok"]
-    skipped = [SkippedPoint(tp_of(r), r["concurrency"], r["budget"], r["context"], r["synthetic_accept"],
-                            (r["skip_reason"] or "-")[:SKIP_REASON_CHARS]) for r in e2e if r["status"] != "ok"]
+    skipped = [SkippedPoint(tp_of(r), r["concurrency"], r["budget"], r["context"],
+                            (r["skip_reason"] or "-")[:SKIP_REASON_CHARS], r["synthetic_accept"])
+               for r in e2e if r["status"] != "ok"]
     return _Parts(run_id, model, kproj, eproj, how, comm, sum(1 for r in ok if not has_split(r)), skipped)
 
 

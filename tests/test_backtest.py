@@ -15,7 +15,7 @@ from flows.backtest import (GOAL_IN_BAND, BacktestRow, composition, depth, goal_
                             stored_backtest, tensor_parallel, trend)
 from flows.cli import app
 from flows.inventory import Inventory
-from flows.notes import render_notes
+from flows.notes.publish import render_notes
 from flows.reference import load_reference
 from flows.store import Store
 from test_projection_synth import write_run

@@ -18,7 +18,7 @@ import pytest
 from engine.schema import MAX_ROWS, SchemaError, read_table, to_table, write_manifest, write_table
 from flows import pull as pull_mod
 from flows import ssh
-from flows.notes import measured_runs
+from flows.notes.gather import measured_runs
 from flows.pull import pull, quarantine, record_unfinished
 from flows.sandbox import _alive
 from flows.ssh import Remote, TransferError, _Capture

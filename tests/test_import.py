@@ -18,7 +18,8 @@ from flows.backtest import refresh
 from flows.cli import app
 from flows.importer import ImportFileError, import_file
 from flows.inventory import Inventory
-from flows.notes import gather, render_notes
+from flows.notes.gather import gather
+from flows.notes.publish import render_notes
 from flows.projection import assumptions, project
 from flows.reference import load_reference, machine_of, measured_datasets
 from flows.store import Store

@@ -14,7 +14,9 @@ import pytest
 from engine.schema import provenance, read_table, to_table, write_table
 from flows.backtest import refresh
 from flows.inventory import Inventory, load_inventory, update_host
-from flows.notes import NotesError, commit_notes, gather, notes_message, render_notes, summary_lines
+from flows.notes.gather import gather
+from flows.notes.publish import NotesError, commit_notes, render_notes
+from flows.notes.summary import notes_message, summary_lines
 from flows.scrub import leaks
 from flows.reference import project_host
 from flows.store import Store

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flows.backtest import refresh
 from flows.inventory import load_inventory
-from flows.notes import render_notes
+from flows.notes.publish import render_notes
 from flows.store import Store
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,8 @@ import pytest
 
 from flows.backtest import refresh
 from flows.inventory import Inventory, load_inventory
-from flows.notes import crossover, render_notes
+from flows.notes.publish import render_notes
+from flows.notes.sections.context import crossover
 from flows.store import Store
 from test_notes_picture import _rewrite, _section, _table_rows
 from test_projection_synth import FULL, model_run

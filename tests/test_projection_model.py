@@ -13,7 +13,10 @@ from engine.schema import read_table, to_table
 from flows.assumptions import Comm, TensorParallel
 from flows.backtest import cross_host, depth, refresh, tensor_parallel
 from flows.inventory import Inventory
-from flows.notes import gather, headline, moe_points, render_notes
+from flows.notes.gather import gather
+from flows.notes.points import moe_points
+from flows.notes.publish import render_notes
+from flows.notes.summary import headline
 from flows.projection import ALLREDUCES_PER_LAYER, Machine, allreduce_us, assumptions, project
 from flows.reference import is_outside, load_reference, machine_of
 from flows.stepmodel import answer, build, query_of

@@ -16,7 +16,7 @@ from engine.schema import validate
 from flows.backtest import refresh
 from flows.cli import app
 from flows.inventory import Inventory
-from flows.notes import render_notes
+from flows.notes.publish import render_notes
 from flows.store import Store
 from flows.whatif import GRID_CONCURRENCY, GRID_CONTEXT, SUITE, stored_whatif
 from test_projection_synth import FULL, model_run

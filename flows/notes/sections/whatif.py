@@ -7,25 +7,11 @@ GPU's memory and what it would need.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from engine.schema import provenance
+from flows.notes.pages import LevelTable, WhatIfView
 from flows.scrub import md
-
-
-@dataclass(frozen=True)
-class LevelTable:
-    title: str
-    header: tuple[str, ...]
-    rows: tuple[tuple[str, ...], ...]
-
-
-@dataclass(frozen=True)
-class WhatIfView:
-    intro: str
-    tables: tuple[LevelTable, ...]
-    notes: tuple[str, ...]
 
 
 def _context(n: int) -> str:
