@@ -43,16 +43,26 @@ def moe_degrees(run: Run) -> list[int]:
     return sorted({tp_of(k) for k in run.rows("kernels") if family(k["kernel"]) == "moe_w4a16" and k["M"]})
 
 
+def gbps(k: dict[str, Any]) -> float:
+    """A kernel point's achieved bandwidth, as its row carries it (NaN where the row has none)."""
+    return math.nan if k["achieved_gbps"] is None else k["achieved_gbps"]
+
+
+def tflops(k: dict[str, Any]) -> float:
+    """A kernel point's achieved compute rate, as its row carries it (NaN where the row has none)."""
+    return math.nan if k["achieved_tflops"] is None else k["achieved_tflops"]
+
+
 def plateau_m(points: list[dict[str, Any]]) -> int | None:
-    gb = [per(k["bytes"], k["time_us_p50"] * 1e3) for k in points]
+    gb = [gbps(k) for k in points]
     top = max((g for g in gb if math.isfinite(g)), default=None)
     return next((k["M"] for k, g in zip(points, gb) if top is not None and g >= PLATEAU * top), None)
 
 
 def best_moe(run: Run) -> dict[str, Any] | None:
     """The MoE point of the highest bandwidth (None when no point has a usable one)."""
-    pts = [k for k in moe_points(run) if math.isfinite(per(k["bytes"], k["time_us_p50"]))]
-    return max(pts, key=lambda k: (per(k["bytes"], k["time_us_p50"]), -k["M"])) if pts else None
+    pts = [k for k in moe_points(run) if math.isfinite(gbps(k))]
+    return max(pts, key=lambda k: (gbps(k), -k["M"])) if pts else None
 
 
 def full_depth(row: dict[str, Any]) -> int:

@@ -14,7 +14,7 @@ from flows.families import tp_of
 from flows.inventory import Inventory
 from flows.notes.fmt import band_text, bandwidth, fmt, per, share
 from flows.notes.gather import gather
-from flows.notes.points import best_moe, ceilings_of, full_model_rows, no_full_depth
+from flows.notes.points import best_moe, ceilings_of, full_model_rows, gbps, no_full_depth
 from flows.notes.views import HostView, Run
 from flows.scrub import md
 from flows.store import Store
@@ -58,17 +58,17 @@ def headline(view: HostView) -> str:
     parts = [model_headline(e2e.run, view.kind == "projected") if e2e else ""]
     moe = best_moe(kern.run) if kern else None
     if moe:
-        gbps = per(moe["bytes"], moe["time_us_p50"] * 1e3)
+        gb = gbps(moe)
         copy, _ = ceilings_of(kern.run, view.spec)
         if view.kind == "measured":
-            parts.append(f"MoE W4A16 decode {bandwidth(gbps)} at M={moe['M']} = {share(per(gbps, copy))} of copy "
+            parts.append(f"MoE W4A16 decode {bandwidth(gb)} at M={moe['M']} = {share(per(gb, copy))} of copy "
                          "bandwidth")
         else:
             if moe["time_us_low"] is None:
-                parts.append(f"MoE W4A16 decode {bandwidth(gbps)} (band unknown) at M={moe['M']}")
+                parts.append(f"MoE W4A16 decode {bandwidth(gb)} (band unknown) at M={moe['M']}")
             else:
                 band = [per(moe["bytes"], t * 1e3) for t in (moe["time_us_high"], moe["time_us_low"])]
-                parts.append(f"MoE W4A16 decode {bandwidth(gbps, *band) if all(map(math.isfinite, band)) else bandwidth(gbps)}"
+                parts.append(f"MoE W4A16 decode {bandwidth(gb, *band) if all(map(math.isfinite, band)) else bandwidth(gb)}"
                              f" at M={moe['M']}")
     outside = outside_headline(view)
     if outside:

@@ -8,7 +8,7 @@ from flows.families import DENSE, family, host_side, label, regime, tp_of
 from flows.notes.fmt import band_text, fmt, per, sig
 from flows.notes.pages import KernelsView, Table
 from flows.notes.plots import Roofline
-from flows.notes.points import ceilings_of, group_by, point_key_sort
+from flows.notes.points import ceilings_of, gbps, group_by, point_key_sort, tflops
 from flows.notes.sections.machine import source_line
 from flows.notes.views import HostView, Run
 from flows.scrub import md
@@ -33,7 +33,7 @@ def kernels_view(view: HostView, rel: str) -> tuple[KernelsView | None, tuple[Ro
         row = [md(k["kernel"]), md(k["impl"]), fmt(k["batch"], 0) if k["batch"] is not None else "-",
                str(k["budget"]) if k["budget"] is not None else "-",
                str(k["context"]) if k["context"] is not None else "-", fmt(t),
-               sig(per(k["bytes"], t * 1e3)), sig(per(k["flops"], t * 1e6)), md(k["regime"] or regime(k, copy, mm))]
+               sig(gbps(k)), sig(tflops(k)), md(k["regime"] or regime(k, copy, mm))]
         if projected:
             row += [band_text(k["time_us_low"], k["time_us_high"]), md(k["reference_regime"] or "-")]
         rows.append(row)
@@ -52,7 +52,7 @@ def roofline_chart(view: HostView, run: Run) -> Roofline | None:
         if not host_side(k) and k["bytes"] > 0:  # a shard shape is its own series: full and shard never mix
             xs, ys = fams.setdefault(label(k) + (f" TP-{tp_of(k)} shard" if tp_of(k) > 1 else ""), ([], []))
             xs.append(per(k["flops"], k["bytes"]))
-            ys.append(per(k["flops"], k["time_us_p50"] * 1e6))
+            ys.append(tflops(k))
     if not fams:
         return None
     roofs = [(view.name, copy, mm)] if copy and mm else []

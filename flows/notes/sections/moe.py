@@ -8,7 +8,7 @@ from typing import Any
 from flows.notes.fmt import band_text, fmt, per, sig
 from flows.notes.pages import MoeTable, MoeView, Table
 from flows.notes.plots import Lines
-from flows.notes.points import ceilings_of, impls_of, moe_degrees, moe_points, plateau_m, roofline_us
+from flows.notes.points import ceilings_of, gbps, impls_of, moe_degrees, moe_points, plateau_m, roofline_us
 from flows.notes.sections.machine import source_line, suite_method
 from flows.notes.views import HostView, Run
 from flows.scrub import md
@@ -27,7 +27,7 @@ def moe_table(view: HostView, run: Run, pts: list[dict[str, Any]], tp: int) -> M
     rows = []
     for k in pts:
         t = k["time_us_p50"]
-        gb = per(k["bytes"], t * 1e3)
+        gb = gbps(k)
         floor = roofline_us(k, copy, mm)
         row = [str(k["M"]), md(k["impl"]), fmt(t), fmt(k.get("host_us")), fmt(per(t, k["M"]), 2), fmt(k["bytes"] / 1e6),
                sig(gb), fmt(per(100 * gb, copy)), fmt(per(100 * gb, spec_bw)),
@@ -76,7 +76,7 @@ def moe_charts(view: HostView, run: Run, degrees: list[int]) -> tuple[Lines, Lin
                           ([per(k["time_us_low"], k["M"]) for k in pts], [per(k["time_us_high"], k["M"]) for k in pts])
                           if projected and all(k["time_us_low"] is not None for k in pts) else None))
         pct += [(f"{_shape_label(tp)}, % of {label} BW ({sig(bw)} GB/s)", ms,
-                 [per(100 * per(k["bytes"], k["time_us_p50"] * 1e3), bw) for k in pts], None)
+                 [per(100 * gbps(k), bw) for k in pts], None)
                 for label, bw in (("copy", copy), ("spec", spec_bw)) if bw]
     name = f"{view.name}: MoE W4A16"
     return (Lines("moe_us_per_token.png", per_token, f"{name}: time per token", "M (tokens)", "us / token",

@@ -6,7 +6,7 @@ from engine.schema import provenance
 from flows.families import tp_of
 from flows.notes.fmt import fmt, per, sig
 from flows.notes.pages import OutsideEntry, Table
-from flows.notes.points import point_key_sort
+from flows.notes.points import gbps, point_key_sort
 from flows.notes.views import HostView
 from flows.scrub import md
 
@@ -27,7 +27,7 @@ def outside_entries(view: HostView) -> tuple[OutsideEntry, ...]:
                       for e in sorted(e2e, key=lambda e: e["concurrency"])]) if e2e else None,
             Table.of(["kernel", "impl", "M", "us", "us/token", "GB/s"],
                      [[md(k["kernel"]), md(k["impl"]), str(k["M"] or "-"), fmt(k["time_us_p50"]),
-                       fmt(per(k["time_us_p50"], k["M"]), 2), sig(per(k["bytes"], k["time_us_p50"] * 1e3))]
+                       fmt(per(k["time_us_p50"], k["M"]), 2), sig(gbps(k))]
                       for k in sorted(kern, key=point_key_sort)]) if kern else None,
             tuple(md(n, cap=400) for n in notes[:20]) if isinstance(notes, list) else ()))
     return tuple(out)
