@@ -17,7 +17,7 @@ from flows.analysis.backtest import (GOAL_IN_BAND, BacktestRow, composition, dep
 from flows.analysis.reference import load_reference
 from flows.cli.app import app
 from flows.inventory.hosts import Inventory
-from flows.notes import render_notes
+from flows.notes.publish import render_notes
 from flows.store.store import Store
 
 

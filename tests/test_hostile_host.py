@@ -16,7 +16,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from engine.schema import MAX_ROWS, SchemaError, read_table, to_table, write_manifest, write_table
-from flows.notes import measured_runs
+from flows.notes.gather import measured_runs
 from flows.store.store import Store
 from flows.transport import pull as pull_mod
 from flows.transport import remote as ssh

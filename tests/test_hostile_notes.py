@@ -18,11 +18,12 @@ import pytest
 from typer.testing import CliRunner
 
 from flows import REPO
-from flows import notes as notes_mod
+from flows.notes import publish
+from flows.notes.publish import render_notes
+from flows.notes.views import HostView
 from flows.cli.app import app
 from flows.inventory.files import load_inventory
 from flows.inventory.hosts import Inventory
-from flows.notes import render_notes
 from flows.store.layout import MANIFESTS, parquet_bytes
 from flows.store.store import Store
 from support.runs import model_run, write_run
@@ -112,13 +113,13 @@ def test_a_page_that_fails_costs_that_page_only(fleet: tuple[Path, Inventory], t
     assert "could not be read" in page and "sha256 differs" in page and len(page) < 2000
     assert (docs / "notes" / "h200.md").read_text().splitlines()[0].endswith(": measured")
     # a page that raises while it is laid out gets a page saying so; the index still lists every host
-    real = notes_mod.render_host
+    real = publish.render_host
 
-    def render_host(view: notes_mod.HostView, docs_dir: Path) -> str:
+    def render_host(view: HostView, docs_dir: Path) -> str:
         if view.name == "h200":
             raise ZeroDivisionError("float division by zero")
         return real(view, docs_dir)
-    monkeypatch.setattr(notes_mod, "render_host", render_host)
+    monkeypatch.setattr(publish, "render_host", render_host)
     render_notes(Store(str(art)), inv, docs)
     page = (docs / "notes" / "h200.md").read_text()
     assert "could not be rendered" in page and "ZeroDivisionError" in page
@@ -130,7 +131,7 @@ def test_a_page_over_the_size_bound_is_replaced_by_one_saying_so(fleet: tuple[Pa
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """N4 (volume): a page is bounded too; a page over the bound is not written as it is."""
     art, inv = fleet
-    monkeypatch.setattr(notes_mod, "MAX_PAGE_BYTES", 4096)
+    monkeypatch.setattr(publish, "MAX_PAGE_BYTES", 4096)
     render_notes(Store(str(art)), inv, tmp_path / "docs")
     page = (tmp_path / "docs" / "notes" / "h200.md").read_text()
     assert len(page.encode()) < 4096 and "over the 4096-byte bound" in page

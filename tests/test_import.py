@@ -20,7 +20,9 @@ from flows.analysis.projection import assumptions, project
 from flows.analysis.reference import load_reference, machine_of, measured_datasets
 from flows.cli.app import app
 from flows.inventory.hosts import Inventory
-from flows.notes import gather, render_notes
+from flows.analysis.assumptions import E2eWithoutSplit
+from flows.notes.gather import gather
+from flows.notes.publish import render_notes
 from flows.store.store import Store
 from support.runs import write_run
 
@@ -113,7 +115,7 @@ def test_outside_data_as_reference_and_beside_kdbench_figures(tmp_path: Path, in
     proj = project(ref.tables, ref.machine, machine_of(inv, "b300"))
     assert {k["impl"] for k in proj["kernels"].to_pylist()} == {"marlin"}
     assert proj["e2e"].num_rows == 0
-    assert {"what": "e2e_without_split", "rows": 2} in assumptions(proj)
+    assert E2eWithoutSplit(rows=2) in assumptions(proj)
     refresh(store, inv, "h200")
     views = {v.name: v for v in gather(store, inv)}
     assert views["pro6000"].kind == "projected" and len(views["pro6000"].outside) == 1

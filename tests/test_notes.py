@@ -18,7 +18,9 @@ from flows.analysis.reference import project_host
 from flows.inventory.files import load_inventory, update_host
 from flows.inventory.hosts import Inventory
 from flows.inventory.scrub import leaks
-from flows.notes import NotesError, commit_notes, gather, notes_message, render_notes, summary_lines
+from flows.notes.gather import gather
+from flows.notes.publish import NotesError, commit_notes, render_notes
+from flows.notes.summary import notes_message, summary_lines
 from flows.store.store import Store
 from support.runs import write_run
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from flows import REPO
 from flows.analysis.backtest import refresh
 from flows.inventory.files import load_inventory
-from flows.notes import render_notes
+from flows.notes.publish import render_notes
 from flows.store.store import Store
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from flows.analysis.backtest import refresh
 from flows.inventory.hosts import Inventory
-from flows.notes import crossover, render_notes
+from flows.notes.publish import render_notes
+from flows.notes.sections.context import crossover
 from flows.store.store import Store
 from support import sections
 from support.runs import FULL, model_run, rewrite_table

@@ -18,7 +18,9 @@ import pytest
 from engine.schema import provenance, read_table, to_table, write_table
 from flows import REPO
 from flows.inventory.hosts import Inventory
-from flows.notes import gather, headline, render_notes
+from flows.notes.gather import gather
+from flows.notes.publish import render_notes
+from flows.notes.summary import headline
 from flows.store.store import Store
 from support import sections
 from support.runs import FULL, model_run, rewrite_table, write_run
@@ -205,11 +207,11 @@ def test_no_accept_plot_without_full_depth_rows(tmp_path: Path, inv: Inventory) 
 
 def test_pages_come_from_the_shipped_templates() -> None:
     from importlib.resources import files
-    names = {p.name for p in files("flows").joinpath("templates").iterdir()}
+    names = {p.name for p in files("flows.notes").joinpath("templates").iterdir()}
     assert {"host.md.j2", "index.md.j2", "_macros.md.j2"} <= names
     # layout only: no template formats a number or escapes a string itself
     for name in names:
-        text = files("flows").joinpath("templates", name).read_text()
+        text = files("flows.notes").joinpath("templates", name).read_text()
         assert not re.search(r"\|\s*(format|round|e|escape|safe)\b", text), name
 
 

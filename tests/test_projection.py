@@ -15,6 +15,7 @@ from flows.analysis.projection import Machine, allreduce_us, assumptions, projec
 from flows.analysis.reference import load_reference, measured_datasets, project_host
 from flows.inventory.hosts import Inventory
 from flows.store.store import Store
+from flows.analysis.assumptions import Comm, StepModel, TensorParallel, record
 from support.runs import evidence, write_run
 
 
@@ -116,11 +117,11 @@ def test_projected_records(tmp_path: Path, inv: Inventory) -> None:
         assert set(t.column("source").to_pylist()) == {"projected"}
     prov = provenance(tables["runs"])
     assert prov["spec"]["mem_bw_gbps"] == inv.specs["rtx-pro-6000-server"].mem_bw_gbps
-    recs = {a["what"]: a for a in assumptions(tables)}
-    assert recs["tensor_parallel"]["target_tp"] == 8 and recs["tensor_parallel"]["rows"][0]["how"] == "model"
-    assert recs["step_model"]["rows"] == 3 and not recs["step_model"]["split"]
-    assert recs["comm"]["interconnect"] == "pcie" and recs["comm"]["link_gbps"] == 64
-    assert prov["assumptions"] == assumptions(tables)
+    recs = {type(a): a for a in assumptions(tables)}
+    assert recs[TensorParallel].target_tp == 8 and recs[TensorParallel].rows[0].how == "model"
+    assert recs[StepModel].rows == 3 and not recs[StepModel].split
+    assert recs[Comm].interconnect == "pcie" and recs[Comm].link_gbps == 64
+    assert prov["assumptions"] == [record(a) for a in assumptions(tables)]     # typed and stored agree
     kern = tables["kernels"].to_pylist()
     assert {k["reference_run_id"] for k in kern} == {"h200-20261020-1"}
     assert all(k["regime"] in ("memory", "compute", "host", "latency") and k["reference_regime"] for k in kern)

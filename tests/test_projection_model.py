@@ -16,7 +16,11 @@ from flows.analysis.projection import ALLREDUCES_PER_LAYER, Machine, allreduce_u
 from flows.analysis.reference import is_outside, load_reference, machine_of
 from flows.analysis.stepmodel import answer, build, query_of
 from flows.inventory.hosts import Inventory
-from flows.notes import gather, headline, moe_points, render_notes
+from flows.analysis.assumptions import Comm, TensorParallel
+from flows.notes.gather import gather
+from flows.notes.points import moe_points
+from flows.notes.publish import render_notes
+from flows.notes.summary import headline
 from flows.store.store import Store
 from support.runs import FULL, evidence
 
@@ -32,14 +36,14 @@ def test_same_tp_over_each_targets_own_links(model_store: Store, inv: Inventory)
     for tables, link in ((pro, "pcie"), (b300, "nvlink")):
         rows = tables["e2e"].to_pylist()
         assert rows and {e["tp"] for e in rows} == {8} and {e["comm_source"] for e in rows} == {"modelled"}
-        tp = {a["what"]: a for a in assumptions(tables)}["tensor_parallel"]
-        assert [r["how"] for r in tp["rows"]] == ["same"]       # the reference measured TP-8 ranks
-        assert {a["what"]: a for a in assumptions(tables)}["comm"]["interconnect"] == link
+        tp = {type(a): a for a in assumptions(tables)}[TensorParallel]
+        assert [r.how for r in tp.rows] == ["same"]       # the reference measured TP-8 ranks
+        assert {type(a): a for a in assumptions(tables)}[Comm].interconnect == link
     # comm = 2 all-reduces a layer x 61 layers of tokens x 7168 x 2 bytes over the target's link
     [p] = _e2e(pro, layers=FULL, concurrency=16)
-    comm = {a["what"]: a for a in assumptions(pro)}["comm"]
+    comm = {type(a): a for a in assumptions(pro)}[Comm]
     nbytes = 16 * 16 * 7168 * 2
-    want = ALLREDUCES_PER_LAYER * FULL * allreduce_us(nbytes, 8, comm["alpha_us"], 64 * comm["efficiency"]) / 1e3
+    want = ALLREDUCES_PER_LAYER * FULL * allreduce_us(nbytes, 8, comm.alpha_us, 64 * comm.efficiency) / 1e3
     assert p["comm_ms"] == pytest.approx(want)
     [b] = _e2e(b300, layers=FULL, concurrency=16)
     assert b["comm_ms"] < p["comm_ms"] and b["tokens_per_s"] > p["tokens_per_s"]    # NVLink 5 against PCIe
@@ -49,9 +53,9 @@ def test_same_tp_over_each_targets_own_links(model_store: Store, inv: Inventory)
 def test_resharded_when_the_target_has_another_gpu_count(model_store: Store, inv: Inventory) -> None:
     ref = load_reference(model_store, inv, "h200")
     two = project(ref.tables, ref.machine, Machine("h200x2", inv.specs["h200-sxm"], 2, "nvlink"))
-    tp = {a["what"]: a for a in assumptions(two)}["tensor_parallel"]
+    tp = {type(a): a for a in assumptions(two)}[TensorParallel]
     # the TP-1 rows are the nearest degree: re-sharded by the step model
-    assert tp["target_tp"] == 2 and [r["how"] for r in tp["rows"]] == ["model"]
+    assert tp.target_tp == 2 and [r.how for r in tp.rows] == ["model"]
     meas = {(e["layers"], e["concurrency"], e["tp"]): e for e in ref.tables["e2e"].to_pylist()}
     for e in two["e2e"].to_pylist():
         assert e["tp"] == 2

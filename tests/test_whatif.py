@@ -18,7 +18,7 @@ from flows.analysis.backtest import refresh
 from flows.analysis.whatif import GRID_CONCURRENCY, GRID_CONTEXT, SUITE, stored_whatif
 from flows.cli.app import app
 from flows.inventory.hosts import Inventory
-from flows.notes import render_notes
+from flows.notes.publish import render_notes
 from flows.store.store import Store
 from support.runs import FULL, model_run
 

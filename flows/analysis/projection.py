@@ -3,8 +3,8 @@
 `project(tables, reference, target, evidence)` takes a measured run's tables, the machine they ran
 on, the machine to project onto and the stored backtests (the evidence for the bands), and returns
 projected tables in the kdbench schema; nothing here reads or writes the store, talks to Prefect or
-writes prose. The assumptions travel as data (a list of records in every table's provenance, key
-`assumptions`) that the notes turn into sentences.
+writes prose. The assumptions travel as data (typed records, flows.analysis.assumptions, stored as a list in
+every table's provenance, key `assumptions`) that the notes turn into sentences.
 
 Kernel points of the families kdbench models are carried by their kernel models (flows.analysis.kernelfit:
 latency kept, bandwidth by Little's law, compute by the ratio of the ceilings); the ceilings are the
@@ -25,6 +25,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from engine.schema import provenance, to_table
+from flows.analysis.assumptions import (Assumption, BandEvidence, Comm, E2eNotMeasured, E2eWithoutSplit, Kept,
+                                        KernelModels, ReferenceCeilings, SkippedPoint, StepModel, TargetCeilings,
+                                        TensorParallel, TpCarry, parse, record)
 from flows.analysis.bands import MIN_POINTS, Band, combine, step_band
 from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError,
                                      Tables, allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
@@ -44,9 +47,9 @@ LAUNCH_FLOOR_US = 3.0
 NOT_MEASURED_LISTED, SKIP_REASON_CHARS = 20, 300
 
 
-def assumptions(tables: Tables) -> list[dict[str, Any]]:
-    """The assumption records a projection stored with its tables."""
-    return list(provenance(tables["runs"]).get("assumptions", []))
+def assumptions(tables: Tables) -> list[Assumption]:
+    """The assumption records a projection stored with its tables, typed."""
+    return [parse(a) for a in provenance(tables["runs"]).get("assumptions", [])]
 
 
 # -- kernel points ------------------------------------------------------------------------------
@@ -216,18 +219,16 @@ def choose_rows(rows: list[dict[str, Any]], tp: int) -> list[dict[str, Any]]:
 
 
 def project_e2e(tables: Tables, model: Model, evidence: Sequence[Any], run_id: str,
-                ref_run_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+                ref_run_id: str) -> tuple[list[dict[str, Any]], list[TpCarry]]:
     """Each measured point as one rank of a TP-(target GPUs) deployment, by the step model. Returns the
     rows and, per source degree, how it was carried."""
     tp = max(model.target.gpus, 1)
     rows = calibration_rows(rows_of(tables, "e2e"))
     spread = step_spread(rows)
-    out, how = [], {}
+    out, carried = [], {}
     for r in choose_rows([r for r in rows if has_split(r)], tp):
         s = answer(model, replace(query_of(r), tp=tp), config_of(r))
-        entry = how.setdefault(tp_of(r), {"from_tp": tp_of(r), "how": "same" if tp_of(r) == tp else "model",
-                                          "points": 0})
-        entry["points"] += 1
+        carried[tp_of(r)] = carried.get(tp_of(r), 0) + 1
         # tokens a step as the reference measured them (accepted drafts + 1 bonus, its decode's tail included)
         per_step = r["tokens_per_s"] * (r["step_ms_p50"] + (r.get("comm_ms") or 0.0)) / 1e3 / r["concurrency"] \
             if r["tokens_per_s"] else (r["accept_len_mean"] or 0.0) + 1.0
@@ -241,7 +242,7 @@ def project_e2e(tables: Tables, model: Model, evidence: Sequence[Any], run_id: s
                     "run_id": run_id, "device": "cpu" if model.target.spec.arch == "cpu" else "cuda",
                     "step_ms_p50": s.step_ms, "tokens_per_s": tps, "tokens_per_s_low": low, "tokens_per_s_high": high,
                     "source": "projected", "reference_run_id": ref_run_id})
-    return out, [how[k] for k in sorted(how)]
+    return out, [TpCarry(t, "same" if t == tp else "model", n) for t, n in sorted(carried.items())]
 
 
 # -- whole projection ---------------------------------------------------------------------------
@@ -257,10 +258,10 @@ class _Parts:
     model: Model
     kproj: list[dict[str, Any]]
     eproj: list[dict[str, Any]]
-    tp_how: list[dict[str, Any]]
+    tp_how: list[TpCarry]
     comm: CommModel
     skipped_e2e: int
-    not_measured: list[dict[str, Any]]   # the reference's skipped e2e points: nothing to carry
+    not_measured: list[SkippedPoint]   # the reference's skipped e2e points: nothing to carry
 
 
 def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str, evidence: Sequence[Any]) -> _Parts:
@@ -274,8 +275,9 @@ def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str, evidence:
     eproj, how = project_e2e(tables, model, evidence, run_id, ref_run_id)
     e2e = [r for r in rows_of(tables, "e2e") if r["source"] == "measured"]
     ok = [r for r in e2e if r["status"] == "ok"]
-    skipped = [{"tp": tp_of(r), **{k: r[k] for k in ("concurrency", "budget", "context", "synthetic_accept")},
-                "reason": (r["skip_reason"] or "-")[:SKIP_REASON_CHARS]} for r in e2e if r["status"] != "ok"]
+    skipped = [SkippedPoint(tp_of(r), r["concurrency"], r["budget"], r["context"],
+                            (r["skip_reason"] or "-")[:SKIP_REASON_CHARS], r["synthetic_accept"])
+               for r in e2e if r["status"] != "ok"]
     return _Parts(run_id, model, kproj, eproj, how, comm, sum(1 for r in ok if not has_split(r)), skipped)
 
 
@@ -311,7 +313,7 @@ def project(tables: Tables, ref: Machine, target: Machine,
                     e["tokens_per_s_low"], e["tokens_per_s_high"], o, "tokens_per_s", "tokens_per_s_low",
                     "tokens_per_s_high")
     refs = [ref_run_id] + [t["runs"].column("run_id")[0].as_py() for t, _ in also]
-    records = assumption_records(ref, target, ref_run_id, main, refs)
+    records = [record(a) for a in assumption_records(ref, target, ref_run_id, main, refs)]
     prov_ref = provenance(tables["runs"])
     spec_figs = target.spec.model_dump(exclude={"sources"})
     device = "cpu" if target.spec.arch == "cpu" else "cuda"
@@ -346,37 +348,28 @@ def project(tables: Tables, ref: Machine, target: Machine,
 
 
 def assumption_records(ref: Machine, target: Machine, ref_run_id: str, p: _Parts,
-                       refs: list[str]) -> list[dict[str, Any]]:
-    """What the projection assumed, as records (`what` names the kind); the notes word them."""
+                       refs: list[str]) -> list[Assumption]:
+    """What the projection assumed, as typed records; the notes word them."""
     ref_c, tgt_c, cal = p.model.ref_c, p.model.tgt_c, p.model.cal
     dt = DTYPE_KEYS.get(ref_c.mm_dtype, ref_c.mm_dtype)
-    recs: list[dict[str, Any]] = [
-        {"what": "reference_ceilings", "host": ref.name, "run_id": ref_run_id, "gpu": ref.spec.gpu,
-         "copy_gbps": ref_c.gbps, "copy_fraction": ref_c.bw_frac, "spec_gbps": ref.spec.mem_bw_gbps,
-         "matmul_tflops": ref_c.tflops(), "matmul_fraction": ref_c.fl_frac,
-         "spec_tflops": peak_tflops(ref.spec, ref_c.mm_dtype), "dtype": dt},
-        {"what": "target_ceilings", "host": target.name, "gpu": target.spec.gpu, "copy_gbps": tgt_c.gbps,
-         "matmul_tflops": tgt_c.tflops(), "dtype": dt},
-        {"what": "kernel_models", "families": sorted(p.model.fams), "sms": [ref.spec.sms, target.spec.sms],
-         "latency_ns": [ref.spec.mem_latency_ns, target.spec.mem_latency_ns]},
-        {"what": "kept", "launch_floor_us": LAUNCH_FLOOR_US, "latency_share": LATENCY_SHARE,
-         "host_side": sorted({"*/cpu"} | {f"{k}/{i}" for k, i in HOST_SIDE})},
-        {"what": "step_model", "rows": cal.rows, "split": cal.split, "tps": list(cal.tps),
-         "factors": {f: [min(v for _, v in s), max(v for _, v in s)] for f, s in sorted(cal.factors.items())},
-         "host_fixed_ms": cal.host_fixed_ms, "host_per_layer_ms": cal.host_per_layer_ms,
-         "notes": list(p.model.notes)},
-        {"what": "tensor_parallel", "target_tp": max(target.gpus, 1), "gpus": target.gpus, "rows": p.tp_how},
+    recs: list[Assumption] = [
+        ReferenceCeilings(ref.name, ref_run_id, ref.spec.gpu, ref_c.gbps, ref_c.bw_frac, ref.spec.mem_bw_gbps,
+                          ref_c.tflops(), ref_c.fl_frac, peak_tflops(ref.spec, ref_c.mm_dtype), dt),
+        TargetCeilings(target.name, target.spec.gpu, tgt_c.gbps, tgt_c.tflops(), dt),
+        KernelModels(sorted(p.model.fams), [ref.spec.sms, target.spec.sms],
+                     [ref.spec.mem_latency_ns, target.spec.mem_latency_ns]),
+        Kept(LAUNCH_FLOOR_US, LATENCY_SHARE, sorted({"*/cpu"} | {f"{k}/{i}" for k, i in HOST_SIDE})),
+        StepModel(cal.rows, cal.split, list(cal.tps), cal.host_fixed_ms, cal.host_per_layer_ms,
+                  {f: [min(v for _, v in s), max(v for _, v in s)] for f, s in sorted(cal.factors.items())},
+                  list(p.model.notes)),
+        TensorParallel(max(target.gpus, 1), target.gpus, p.tp_how),
     ]
     if target.gpus > 1:
-        recs.append({"what": "comm", "gpus": target.gpus, "interconnect": target.interconnect,
-                     "link_gbps": p.comm.link_gbps, "alpha_us": p.comm.alpha_us,
-                     "efficiency": p.comm.effs[1], "efficiency_low": p.comm.effs[0],
-                     "efficiency_high": p.comm.effs[2], "calibrated": p.comm.calibrated,
-                     "allreduces_per_layer": ALLREDUCES_PER_LAYER})
+        recs.append(Comm(target.gpus, target.interconnect, p.comm.link_gbps, p.comm.alpha_us, p.comm.effs[1],
+                         p.comm.effs[0], p.comm.effs[2], p.comm.calibrated, ALLREDUCES_PER_LAYER))
     if p.skipped_e2e:
-        recs.append({"what": "e2e_without_split", "rows": p.skipped_e2e})
+        recs.append(E2eWithoutSplit(p.skipped_e2e))
     if p.not_measured:
-        recs.append({"what": "e2e_not_measured", "count": len(p.not_measured),
-                     "points": p.not_measured[:NOT_MEASURED_LISTED]})
-    recs.append({"what": "band", "references": refs, "min_points": MIN_POINTS})
+        recs.append(E2eNotMeasured(len(p.not_measured), p.not_measured[:NOT_MEASURED_LISTED]))
+    recs.append(BandEvidence(refs, MIN_POINTS))
     return recs

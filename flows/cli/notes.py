@@ -31,7 +31,7 @@ def _expected() -> tuple[type[Exception], ...]:
     from engine.schema import SchemaError
     from flows.analysis.projection import ProjectionError
     from flows.inventory.hosts import InventoryError
-    from flows.notes import NotesError
+    from flows.notes.publish import NotesError
     from flows.store.layout import StoreError
     return InventoryError, StoreError, ProjectionError, SchemaError, NotesError
 
@@ -55,7 +55,9 @@ def notes(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir
     """
     from flows.analysis.backtest import refresh
     from flows.inventory.files import default_hosts_dir, load_inventory
-    from flows.notes import commit_notes, gather, notes_message, render_notes
+    from flows.notes.gather import gather
+    from flows.notes.publish import commit_notes, render_notes
+    from flows.notes.summary import notes_message
     from flows.store.store import Store
 
     try:
@@ -91,7 +93,7 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
 
     from flows.analysis.backtest import backtests_of, store_backtest
     from flows.inventory.files import default_hosts_dir, load_inventory
-    from flows.notes import BACKTEST_COLUMNS, backtest_cells
+    from flows.notes.sections.backtest import BACKTEST_COLUMNS, backtest_cells
     from flows.store.store import Store
 
     try:

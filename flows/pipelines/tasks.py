@@ -24,13 +24,14 @@ from prefect.concurrency.sync import concurrency
 from prefect.tasks import exponential_backoff
 from pydantic import BaseModel
 
-from flows import notes as notes_mod
 from flows.analysis import backtest
 from flows.analysis import reference as references
 from flows.analysis import whatif
 from flows.inventory.files import host_path, load_inventory
 from flows.inventory.hosts import Host, Inventory
 from flows.inventory.scrub import LINE_CAP, fenced, line, plain
+from flows.notes.publish import commit_notes, render_notes
+from flows.notes.summary import summary_lines
 from flows.pipelines.progress import Forward, log_line
 from flows.pipelines.settings import Settings
 from flows.store.layout import RunInfo
@@ -295,14 +296,14 @@ def write_notes(store: Store, settings: Settings, subject: str,
         backtest.store_backtest(store, rows)   # the notes read these, never compute them
         if rows:
             whatif.store_grids(store, inv, settings.reference, rows)
-        paths = notes_mod.render_notes(store, inv, settings.docs_dir)
+        paths = render_notes(store, inv, settings.docs_dir)
         commit = None
         if settings.commit:
             yamls = [host_path(settings.hosts_dir, h) for h in hosts]
             repo = settings.repo.resolve()
             paths_in_repo = [*paths, *(y for y in yamls if y.resolve().is_relative_to(repo))]
-            message = "\n".join([subject, "", *notes_mod.summary_lines(store, inv)]) + "\n"
-            commit = notes_mod.commit_notes(repo, paths_in_repo, message, inv)
+            message = "\n".join([subject, "", *summary_lines(store, inv)]) + "\n"
+            commit = commit_notes(repo, paths_in_repo, message, inv)
     rel = [_rel(p, settings.docs_dir.parent) for p in paths if p.suffix == ".md"]
     log.info("notes: %d page(s) under %s/notes%s", len(rel), settings.docs_dir.name,
              f", committed {commit[:10]}" if commit else (" (not committed)" if not settings.commit else ", unchanged"))

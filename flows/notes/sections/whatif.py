@@ -1,4 +1,4 @@
-"""The what-if section of a host page, from the grid flows.whatif stored (the notes never compute one).
+"""The what-if section of a host page, from the grid flows.analysis.whatif stored (the notes never compute one).
 
 One table per measured acceptance level: a row per concurrency, a column per context; each cell gives
 tokens/s with its band and the step's largest term, or says that the configuration does not fit the
@@ -7,25 +7,11 @@ GPU's memory and what it would need.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from engine.schema import provenance
 from flows.inventory.scrub import md
-
-
-@dataclass(frozen=True)
-class LevelTable:
-    title: str
-    header: tuple[str, ...]
-    rows: tuple[tuple[str, ...], ...]
-
-
-@dataclass(frozen=True)
-class WhatIfView:
-    intro: str
-    tables: tuple[LevelTable, ...]
-    notes: tuple[str, ...]
+from flows.notes.pages import LevelTable, WhatIfView
 
 
 def _context(n: int) -> str:

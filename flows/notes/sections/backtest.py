@@ -1,0 +1,41 @@
+"""The backtest table (the index's, and the cited rows on a projected page): how well each kind of
+carry held up on held-out data, and how far each misses its goal."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from flows.analysis.backtest import BacktestRow, goal_gap
+from flows.inventory.scrub import md
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+BACKTEST_COLUMNS = ("backtest", "data", "family", "regime", "points", "median error", "median |error|",
+                    "worst error", "in band", "half-width", "goal")
+
+
+def backtest_cells(rows: Sequence[BacktestRow]) -> list[list[str]]:
+    """One row of BACKTEST_COLUMNS per backtest row; the goal column says how far each misses, or `met`."""
+    out = []
+    for r in rows:
+        med_gap, band_gap = goal_gap(r)
+        if r.skipped:
+            goal = f"skipped: {r.detail}"
+        else:
+            bits = []
+            if med_gap is not None:
+                bits.append("median met" if med_gap == 0 else f"median {med_gap:.1%} over")
+            if band_gap is None:
+                bits.append("band unknown (under 5 other points)")
+            else:
+                bits.append("band met" if band_gap == 0 else f"band {band_gap:.0%} short")
+            goal = ", ".join(bits)
+        data = r.reference if r.reference == r.target else f"{r.reference} -> {r.target}"
+        in_band = "-" if r.in_band is None else f"{r.in_band:.0%}" + (f" ({r.unknown} unknown)" if r.unknown else "")
+        out.append([md(r.kind), md(data), md(r.family), md(r.regime), str(r.points), _pct(r.median_error),
+                    "-" if r.median_abs_error is None else f"{r.median_abs_error:.1%}", _pct(r.worst_error), in_band, "-" if r.half_width is None else f"{r.half_width:.1%}",
+                    md(goal, cap=400)])
+    return out
