@@ -39,14 +39,13 @@ BELOW = {
     "notes": {"analysis", "inventory", "store"},
     "pipelines": {"analysis", "inventory", "notes", "store", "transport"},
 }
-NOTES = {"notes", "notes_whatif", "plots"}  # the notes' modules, flat in flows/ until they get their own room
 
 
 def _room(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) < 2:
         return None
-    return "notes" if parts[1] in NOTES else parts[1]
+    return parts[1]
 
 
 def test_imports_run_one_way_between_the_rooms() -> None:
