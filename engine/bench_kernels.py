@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.config import K2, K2_MINI, ModelConfig
+from engine.config import K2, K2_MINI, SHARD_TP, ModelConfig
 from engine.costs import (DenseOp, build_tree_cost, dense_op_cost, dense_ops, expected_experts, mla_cost, moe_cost,
                           tree_accept_cost)
 from engine.model import Init
@@ -32,10 +32,10 @@ class KernelProfile:
     cfg: ModelConfig
     moe_m: tuple[int, ...]
     moe_torch_m: tuple[int, ...]  # where the torch reference is timed too
-    moe_tp_m: tuple[int, ...]  # M of the TP-8 shard sweep (each expert's intermediate / 8): rows with tp 8
+    moe_tp_m: tuple[int, ...]  # M of the shard sweep (each expert's intermediate / SHARD_TP): rows with that tp
     attn: tuple[tuple[int, int, int], ...]  # (batch, budget, context), all heads
     attn_torch: tuple[tuple[int, int, int], ...]
-    attn_tp: tuple[tuple[int, int, int], ...]  # the same at one rank of TP-8 (heads / 8): rows with tp 8
+    attn_tp: tuple[tuple[int, int, int], ...]  # the same at one rank of TP-SHARD_TP (its heads): rows with that tp
     tree: tuple[tuple[int, int], ...]  # (batch, budget)
     dense_m: tuple[int, ...]  # M of every dense op (engine.costs.dense_ops) ...
     dense_tp: tuple[int, ...]  # ... at these TP degrees (a replicated op's shape is timed once, at the lowest)
@@ -73,13 +73,6 @@ POINT_S = 0.25  # a point's timed repeats stop near this many seconds (never und
 MIN_REPEATS = 5
 
 
-def resolved_impl(impl: str, module: str, device: torch.device) -> str:
-    """What "auto" actually ran: the impl column names the code that was timed."""
-    if impl != "auto":
-        return impl
-    return "triton" if device.type == "cuda" and ops.triton_module(module) is not None else "torch"
-
-
 def _timing_cols(t: Timing, nbytes: float, flops: float) -> Row:
     s = t.p50_us * 1e-6
     return {"time_us_p10": t.p10_us, "time_us_p50": t.p50_us, "time_us_p90": t.p90_us,
@@ -111,7 +104,7 @@ class KernelBench:
             if m in p.moe_torch_m:
                 pts.append((f"moe_w4a16 M={m} torch", lambda m=m: self.moe(m, "torch")))
         for m in p.moe_tp_m:
-            pts.append((f"moe_w4a16 M={m} tp=8", lambda m=m: self.moe(m, "auto", tp=8)))
+            pts.append((f"moe_w4a16 M={m} tp={SHARD_TP}", lambda m=m: self.moe(m, "auto", tp=SHARD_TP)))
         for b, n, c in p.attn:
             pts.append((f"mla_tree_attention Bt={b} B={n} ctx={c}",
                         lambda b=b, n=n, c=c: self.attention(b, n, c, "auto")))
@@ -119,8 +112,8 @@ class KernelBench:
             pts.append((f"mla_tree_attention Bt={b} B={n} ctx={c} torch",
                         lambda b=b, n=n, c=c: self.attention(b, n, c, "torch")))
         for b, n, c in p.attn_tp:
-            pts.append((f"mla_tree_attention Bt={b} B={n} ctx={c} tp=8",
-                        lambda b=b, n=n, c=c: self.attention(b, n, c, "auto", tp=8)))
+            pts.append((f"mla_tree_attention Bt={b} B={n} ctx={c} tp={SHARD_TP}",
+                        lambda b=b, n=n, c=c: self.attention(b, n, c, "auto", tp=SHARD_TP)))
         for b, n in p.tree:
             pts.append((f"build_tree Bt={b} B={n}", lambda b=b, n=n: self.tree_build(b, n)))
         for b, n in p.tree:
@@ -214,7 +207,7 @@ class KernelBench:
         lp, tok, root = self.draft(batch)
         c = self.p.cfg
         t = time_op(lambda: ops.build_tree(lp, tok, root, budget), self.dev, self.p.repeats)
-        return {"kernel": "build_tree", "impl": resolved_impl("auto", "tree_build", self.dev),
+        return {"kernel": "build_tree", "impl": ops.kernel_impl("auto", "build_tree", lp),
                 "dtype": "float32", "device": self.dev.type, "budget": budget, "batch": batch,
                 "K": c.draft_topk, "N": c.draft_len,
                 **_timing_cols(t, *build_tree_cost(c, batch, budget))}  # flops: one score add per node
@@ -232,7 +225,7 @@ class KernelBench:
     def tree_accept(self, batch: int, budget: int) -> Row:
         tree, want = self.accept_inputs(batch, budget)
         t = time_op(lambda: ops.tree_accept(tree, want), self.dev, self.p.repeats)
-        return {"kernel": "tree_accept", "impl": resolved_impl("auto", "tree_accept", self.dev),
+        return {"kernel": "tree_accept", "impl": ops.kernel_impl("auto", "tree_accept", tree.tokens),
                 "dtype": "int64", "device": self.dev.type, "budget": budget, "batch": batch,
                 **_timing_cols(t, *tree_accept_cost(self.p.cfg, batch, budget))}  # flops: one compare per node
 
@@ -262,7 +255,7 @@ class KernelBench:
             reps = budgeted_repeats(fn, self.dev, self.p.repeats)
         t = time_op(fn, self.dev, reps)
         nbytes, flops = mla_cost(c, batch, budget, context, q_nope.element_size(), tp)
-        return {"kernel": "mla_tree_attention", "impl": resolved_impl(impl, "mla_verify", self.dev),
+        return {"kernel": "mla_tree_attention", "impl": ops.mla_impl(q_nope, impl),
                 "dtype": str(self.dtype).removeprefix("torch."), "device": self.dev.type,
                 "budget": budget, "context": context, "batch": batch, "N": q_nope.shape[2],
                 "K": c.kv_lora + c.rope_dim, "tp": tp, **_timing_cols(t, nbytes, flops)}

@@ -40,7 +40,7 @@ from engine.config import CONFIGS
 from engine.schema import SchemaError, provenance
 from flows import plots
 from flows.backtest import BacktestRow, goal_gap, stored_backtest
-from flows.families import DENSE, e2e_key, family, host_side, label, point_key, preferred, regime, tp_of
+from flows.families import DENSE, e2e_key, host_side, label, point_key, preferred, regime, tp_of
 from flows.inventory import INDEX_PAGE, Host, Inventory, InventoryError, Spec, host_status_text, is_page_name
 from flows.projection import TERMS, breakdown
 from flows.reference import is_outside
@@ -309,7 +309,7 @@ def ceilings_of(run: Run, spec: Spec | None) -> tuple[float | None, float | None
 def moe_points(run: Run, tp: int = 1) -> list[dict[str, Any]]:
     """MoE W4A16 points at one TP degree's shapes (1: full shapes) of the kernel the engine runs
     at each M (CUDA or Triton: `preferred`), by M. Full and shard rows are never mixed."""
-    pts = [k for k in run.rows("kernels") if family(k["kernel"]) == "moe_w4a16" and k["M"] and tp_of(k) == tp]
+    pts = [k for k in run.rows("kernels") if k["kernel"] == "moe_w4a16" and k["M"] and tp_of(k) == tp]
     return sorted(preferred(pts), key=lambda k: k["M"])
 
 
@@ -320,7 +320,7 @@ def impls_of(pts: list[dict[str, Any]]) -> str:
 
 def moe_degrees(run: Run) -> list[int]:
     """The TP degrees the run's MoE points were measured at: 1 (full shapes) first, then the shards."""
-    return sorted({tp_of(k) for k in run.rows("kernels") if family(k["kernel"]) == "moe_w4a16" and k["M"]})
+    return sorted({tp_of(k) for k in run.rows("kernels") if k["kernel"] == "moe_w4a16" and k["M"]})
 
 
 def plateau_m(points: list[dict[str, Any]]) -> int | None:
@@ -790,7 +790,7 @@ def kernels_view(view: HostView, out_dir: Path, rel: str) -> KernelsView | None:
     if src is None:
         return None
     run = src.run
-    pts = sorted((k for k in run.rows("kernels") if family(k["kernel"]) not in ("moe_w4a16", DENSE)),
+    pts = sorted((k for k in run.rows("kernels") if k["kernel"] not in ("moe_w4a16", DENSE)),
                  key=point_key_sort)
     projected = view.kind == "projected"
     head = ["kernel", "impl", "batch", "budget", "context", "us", "GB/s", "TFLOP/s", "regime"]
@@ -829,7 +829,7 @@ def kernels_view(view: HostView, out_dir: Path, rel: str) -> KernelsView | None:
 def dense_table(kern: list[dict[str, Any]], copy: float | None, mm: float | None) -> Table | None:
     """The dense GEMMs, a row per (op, TP degree): us at each M, and the best and worst share of the
     roofline (max(bytes / copy, flops / matmul) over the time) across M."""
-    pts = [k for k in kern if family(k["kernel"]) == DENSE and k["time_us_p50"] > 0]
+    pts = [k for k in kern if k["kernel"] == DENSE and k["time_us_p50"] > 0]
     if not pts:
         return None
     ms = sorted({k["M"] for k in pts})

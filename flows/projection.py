@@ -28,7 +28,7 @@ from engine.schema import provenance, to_table
 from flows.bands import MIN_POINTS, Band, combine, step_band
 from flows.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError, Tables,
                             allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
-from flows.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, bound, e2e_key, family,
+from flows.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, bound, e2e_key,
                             host_side, label, point_key, regime, tp_of)
 from flows.kernelfit import AXES, class_key
 from flows.stepmodel import COLUMN, FAMILIES, Model, answer, build, calibration_rows, config_of, query_of, step_spread
@@ -144,7 +144,7 @@ def project_kernels(rows: list[dict[str, Any]], model: Model, evidence: Sequence
     effs = family_effs(rows, model.ref_c)
     out = []
     for r in rows:
-        fam = model.fams.get(family(r["kernel"]))
+        fam = model.fams.get(r["kernel"])
         got = None if fam is None or host_side(r) else fam.time_us(
             class_key(r), {a: float(r.get(a) or 0) for a in AXES[fam.family]}, r["bytes"], r["flops"],
             model.carry)

@@ -434,3 +434,48 @@ def test_a_call_shape_is_laid_out_once_and_wires_each_pass_to_the_next(monkeypat
     ptr["x"] += 64
     call(tuple(ptr.values()))
     assert call.launches[0].args[10] == ptr["x"], "a call rewrites the base pointers"
+
+
+def test_the_sweep_picks_gate_up_then_down_from_checked_candidates() -> None:
+    """engine.moe_sweep's choice with a fake timer: the baseline first, each gate_up candidate beside the
+    baseline's down pass, then each down candidate beside the fastest of those gate_ups; a wrong result or
+    an error is recorded and never picked (however fast it claims to be), one that does not run here is
+    not tried; the picks come out as a table kernels/moe_configs.py reads back unchanged."""
+    from engine import moe_sweep
+
+    table = moe_configs.H200["full"]
+    base = table[32]
+    gu_fast, gu_wrong = table[256].gate_up, table[512].gate_up
+    dn_fast, dn_broken, dn_absent = table[64].down, table[1024].down, table[512].down
+    gu_us = {base.gate_up: 50.0, gu_fast: 30.0, gu_wrong: 1.0}
+    dn_us = {base.down: 40.0, dn_fast: 25.0, dn_broken: 2.0}
+    tried: list[tuple[str, moe_configs.Bucket, moe_sweep.Trial]] = []
+
+    def measure(cfg: moe_configs.Bucket) -> moe_sweep.Trial | None:
+        if cfg.down == dn_absent or cfg.gate_up not in gu_us or cfg.down not in dn_us:
+            return None
+        if cfg.gate_up == gu_wrong:
+            return moe_sweep.Trial(0.5, error="wrong result")
+        if cfg.down == dn_broken:
+            return moe_sweep.Trial(error="RuntimeError: launch failed")
+        return moe_sweep.Trial(3e-3, gu_us[cfg.gate_up] + dn_us[cfg.down])
+
+    best, us, base_us = moe_sweep.pick("full", 32, base, table, measure, lambda *t: tried.append(t))
+    assert best == moe_configs.Bucket(gu_fast, dn_fast) and (us, base_us) == (55.0, 90.0)
+    assert tried[0][:2] == ("baseline", base)
+    assert {c.down for w, c, _ in tried if w == "gate_up"} == {base.down}
+    assert {c.gate_up for w, c, _ in tried if w == "down"} == {gu_fast}
+    assert [t.error for w, c, t in tried if c.gate_up == gu_wrong] == ["wrong result"]
+    assert [w for w, c, _ in tried if c.down == dn_broken] == ["down"]
+    assert not any(c.down == dn_absent for _, c, _ in tried)
+    with pytest.raises(RuntimeError, match="full M = 32: the table's own pick failed"):
+        moe_sweep.pick("full", 32, base, table, lambda cfg: moe_sweep.Trial(error="x"), lambda *t: None)
+
+    picks = {"full": {32: best, 1024: table[1024]}, "shard": dict(moe_configs.H200["shard"])}
+    block = moe_sweep.table_block("sm_100", picks, "a test")
+    space = {"_b": moe_configs._b, "Table": moe_configs.Table}
+    exec(block, space)  # noqa: S102 - the block is this test's own output
+    assert space["SM100"] == picks and "CUDA_CONFIGS['sm_100'] = SM100" in block
+    assert "Sweep-only" not in block
+    swept = moe_configs.Bucket(moe_configs.PassConfig.of(moe_configs.SWEEP_KERNELS[0], 1, 7168), best.down)
+    assert moe_configs.SWEEP_KERNELS[0] in moe_sweep.table_block("sm_100", {"full": {1: swept}}, "a test")
