@@ -4,7 +4,7 @@ config table they pick, as kernels/moe_configs.py reads it.
 Per shape class (the full K2 experts; one rank's shard at TP-SHARD_TP, engine.config) and M, the
 table's pick for M's bucket on this device (kernels/moe_configs.py, after the limit check) is the
 baseline. The candidates of each pass are every bucket's pick of that pass and the sweep-only
-kernels (SWEEP_KERNELS, built from moe_w4a16.cu with MOE_SWEEP defined) at a few spans, each only
+kernels (SWEEP_KERNELS, which only the sweep's build of moe_w4a16.cu has) at a few spans, each only
 where it tiles the shape, holds M's tokens and fits this device. The gate_up candidates run with the
 baseline's down pass, then the down candidates with the fastest gate_up (`pick`). Each is first
 checked against the float32 reference (norm relative error under 1e-2; a wrong one is recorded and
@@ -15,8 +15,8 @@ Writes DIR/moe_sweep.csv (every candidate) as it goes, prints per (shape, M) the
 baseline, and at the end writes DIR/moe_configs_<arch>.py: the picks as a table of
 kernels/moe_configs.py (each swept M the largest M of a bucket), ready to paste there and key in
 CUDA_CONFIGS by the arch. On a new arch: `python -m engine.moe_sweep --out DIR` (the default --m is
-every bucket of the current table), paste the block, then move the MOE_KERNEL line of any sweep-only
-kernel it picks above moe_w4a16.cu's `#ifdef MOE_SWEEP` (the block's comment names them).
+every bucket of the current table), paste the block, and drop from SWEEP_KERNELS any sweep-only
+kernel it picks (the block's comment names them): the shipped build instantiates what the tables pick.
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ def table_block(arch: str, picks: Mapping[str, Mapping[int, Bucket]], origin: st
     sweep_only = sorted({p.kernel for b in (b for c in picks.values() for b in c.values())
                          for p in (b.gate_up, b.down)} - KERNELS)
     if sweep_only:
-        lines.append("# Sweep-only kernels it picks (move their MOE_KERNEL lines in moe_w4a16.cu above "
-                     "#ifdef MOE_SWEEP and drop them from SWEEP_KERNELS): " + ", ".join(sweep_only))
+        lines.append("# Sweep-only kernels it picks (drop them from SWEEP_KERNELS: the shipped build then has "
+                     "them): " + ", ".join(sweep_only))
     lines.append(f"{name}: Table = {{")
     for shape, buckets in picks.items():
         lines.append(f'    "{shape}": {{')
