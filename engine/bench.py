@@ -21,7 +21,7 @@ import sys
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -30,6 +30,8 @@ from engine import tp as tpar
 from engine.config import CONFIGS, make_config
 from engine.env import UsageError, facts, fail, now_iso, pick_device
 from engine.results import SuiteWriter, Terminated, install_signal_handlers
+from engine.rows import CommRow
+from engine.schema import PointStatus, RunStatus
 from engine.timing import METHOD as TIMING_METHOD, copy_gbps, matmul_tflops
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}\Z")
@@ -116,9 +118,9 @@ def run_suite(a: argparse.Namespace, device: torch.device, prov: dict) -> int:
         w = SuiteWriter(a.out, "comm", a.profile, prov, max(n, 1))
         w.start(copy_gbps=copy_gbps(device), matmul_tflops=matmul_tflops(device))
         if reason:
-            w.add({"op": "all_reduce", "world_size": torch.cuda.device_count() if device.type == "cuda" else 0,
-                   "bytes": 0, "status": "skipped", "skip_reason": reason})
-            w.finish("skipped", reason)
+            w.add(CommRow(op="all_reduce", world_size=torch.cuda.device_count() if device.type == "cuda" else 0,
+                          bytes=0, status=PointStatus.SKIPPED, skip_reason=reason))
+            w.finish(RunStatus.SKIPPED, reason)
             return 0
         return _loop(w, [], lambda on: bench_comm.run(a.profile, on))
     if a.suite == "kernels":
@@ -136,8 +138,8 @@ def run_suite(a: argparse.Namespace, device: torch.device, prov: dict) -> int:
     return _loop(w, points, None)
 
 
-def _loop(w: SuiteWriter, points: list[tuple[str, Callable[[], dict]]],
-          driver: Callable[[Callable[[dict], None]], None] | None) -> int:
+def _loop(w: SuiteWriter, points: list[tuple[str, Callable[[], Any]]],
+          driver: Callable[[Callable[[Any], None]], None] | None) -> int:
     """Run the points (or let `driver` push rows), writing each as it completes.
 
     A failing point is reported and skipped (the suite ends "partial" with the failures in its
@@ -157,16 +159,16 @@ def _loop(w: SuiteWriter, points: list[tuple[str, Callable[[], dict]]],
                     traceback.print_exc()
                     failed.append(f"{label}: {type(e).__name__}: {e}"[:200])
     except Terminated as t:
-        w.finish("partial", f"stopped by signal {t.args[0]} after {len(w.rows)} of {w.n} points")
+        w.finish(RunStatus.PARTIAL, f"stopped by signal {t.args[0]} after {len(w.rows)} of {w.n} points")
         return 128 + int(t.args[0])
     except Exception as e:  # the comm driver failed: keep what was measured
         traceback.print_exc()
-        w.finish("partial", f"failed after {len(w.rows)} of {w.n} points: {type(e).__name__}: {e}"[:500])
+        w.finish(RunStatus.PARTIAL, f"failed after {len(w.rows)} of {w.n} points: {type(e).__name__}: {e}"[:500])
         return 1
     if failed:
-        w.finish("partial", f"{len(failed)} of {w.n} points failed: " + " | ".join(failed))
+        w.finish(RunStatus.PARTIAL, f"{len(failed)} of {w.n} points failed: " + " | ".join(failed))
         return 1
-    w.finish("complete")
+    w.finish(RunStatus.COMPLETE)
     return 0
 
 

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine.rows import CommRow
+from engine.schema import PointStatus
 from engine.timing import percentile
 
 SIZES = {"full": [4 << 10 << (2 * i) for i in range(9)],  # 4 KiB .. 256 MiB by 4x, then 1 GiB
@@ -61,8 +63,8 @@ def _worker(rank: int, world: int, store: str, sizes: list[int], out: Any) -> No
                 if rank == 0:
                     us = percentile(times, 50)
                     alg = nbytes / (us * 1e-6) / 1e9
-                    out.put({"op": op, "world_size": world, "bytes": nbytes, "time_us_p50": us,
-                             "algbw_gbps": alg, "busbw_gbps": alg * bus_factor(op, world), "status": "ok"})
+                    out.put(CommRow(op=op, world_size=world, bytes=nbytes, time_us_p50=us, algbw_gbps=alg,
+                                    busbw_gbps=alg * bus_factor(op, world), status=PointStatus.OK))
     finally:
         dist.destroy_process_group()
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -50,9 +50,11 @@ from engine.config import ModelConfig, make_config
 from engine.decode import PREFILL_TOKENS, STAGES, DecodeResult, Decoder, Prefilled, cache_rows
 from engine.drafter import BlockDrafter
 from engine.model import PLANT_GAIN, TargetModel, hot_vocab
+from engine.rows import E2ERow
+from engine.schema import PointStatus
 from engine.timing import percentile
 
-Row = dict[str, Any]
+Columns = dict[str, Any]  # e2e columns -> values, for an E2ERow
 # e2e column of each kernel family's GPU time per step (engine.gpu_busy.FAMILIES)
 FAMILY_COLUMNS = {"moe": "moe_ms", "attention": "attention_ms", "dense": "dense_ms", "lm_head": "lm_head_ms",
                   "tree": "tree_ms", "other": "gpu_other_ms"}
@@ -126,7 +128,7 @@ def eager_steps(res: DecodeResult) -> int:
     return res.eager_steps if len(res.step_s) > res.eager_steps else 0
 
 
-def summarise(res: DecodeResult, comm_s: float = 0.0) -> Row:
+def summarise(res: DecodeResult, comm_s: float = 0.0) -> Columns:
     """Throughput, latency percentiles and the stage split of one measured decode, in steady state.
 
     Steady state: the decode's first `res.eager_steps` steps (run eagerly while the step's CUDA
@@ -235,7 +237,7 @@ class E2EBench:
                 f"B={ax.budget} max_new={ax.max_new}; a point whose cache and working set do not fit beside "
                 f"the weights is skipped with the bytes it needed{limit}")
 
-    def points(self) -> list[tuple[str, Callable[[], Row]]]:
+    def points(self) -> list[tuple[str, Callable[[], E2ERow]]]:
         p, full = self.p, self.cfg.layers
         pts = []
         for tp in p.tps:
@@ -265,7 +267,7 @@ class E2EBench:
         model = self._model if layers == self.cfg.layers else self._model.truncated(layers)
         return Decoder(model, self._drafter, self.p.prefill_tokens)
 
-    def context_point(self, length: int, conc: int) -> Row:
+    def context_point(self, length: int, conc: int) -> E2ERow:
         """A point of the context axis; its wall time feeds the prediction of the points after it."""
         ax = self.p.context
         if length not in self._long:
@@ -280,12 +282,12 @@ class E2EBench:
         t0 = time.perf_counter()
         row = self.point(ax.tp, self.cfg.layers, ax.level, conc, ax.budget, self._long[length][:conc],
                          ax.max_new, late)
-        if row["status"] == "ok":
+        if row.status == PointStatus.OK:
             self._ctx_done.append((conc, length, time.perf_counter() - t0))
         return row
 
     def point(self, tp: int, layers: int, level: float, conc: int, budget: int,
-              prompts: list[list[int]] | None = None, max_new: int | None = None, late: str | None = None) -> Row:
+              prompts: list[list[int]] | None = None, max_new: int | None = None, late: str | None = None) -> E2ERow:
         """One point (prompts: the short sweep's first `conc` by default); skipped, with the reason and
         the bytes it needed, when its cache and working set do not fit beside the weights (or `late`)."""
         dec = self._decoder(tp, layers)
@@ -293,19 +295,19 @@ class E2EBench:
         max_new = max_new or self.p.max_new
         rows = cache_rows(prompts, max_new, budget, m.cfg.draft_len)
         need = footprint.point_need(dec, prompts, rows, budget)
-        row = {"config": m.cfg.name, "layers": layers, "tp": tp,
-               "weight_sets": min(m.weight_sets, layers - min(m.cfg.dense_layers, layers)),
-               "vocab": m.cfg.vocab, "comm_source": "modelled" if tp > 1 else "none",
-               "device": self.dev.type, "concurrency": conc, "budget": budget,
-               "context": round(statistics.mean(map(len, prompts))), "synthetic_accept": level,
-               "memory_bytes": float(need.total)}
+        row = E2ERow(config=m.cfg.name, layers=layers, tp=tp,
+                     weight_sets=min(m.weight_sets, layers - min(m.cfg.dense_layers, layers)),
+                     vocab=m.cfg.vocab, comm_source="modelled" if tp > 1 else "none",
+                     device=self.dev.type, concurrency=conc, budget=budget,
+                     context=round(statistics.mean(map(len, prompts))), synthetic_accept=level,
+                     memory_bytes=float(need.total))
         free = footprint.free_bytes(self.dev)
         if self.memory_limit is not None:
             free = min(free, max(self.memory_limit - need.weights, 0))
         if need.beside_weights > free:
-            return {**row, "status": "skipped", "skip_reason": need.reason(free, f"{conc} x {rows} rows")}
+            return replace(row, status=PointStatus.SKIPPED, skip_reason=need.reason(free, f"{conc} x {rows} rows"))
         if late:
-            return {**row, "status": "skipped", "skip_reason": late}
+            return replace(row, status=PointStatus.SKIPPED, skip_reason=late)
         start = dec.prefill(prompts, rows, warm=True)
         if self.p.warmup_new:
             dec.speculative(prompts, self.p.warmup_new, budget, level, start=start)
@@ -315,11 +317,11 @@ class E2EBench:
             raise RuntimeError(f"the target's greedy tokens follow the planted successor at {on_chain:.0%} of places "
                                f"(non-finite values or a lost margin): acceptance would not be the synthetic level")
         comm_s = self.comm.forward_ms(conc * (budget + 1), m.cfg.hidden, layers, tp) / 1e3
-        return {**row, "status": "ok", **summarise(res, comm_s),
-                **self.kernel_split(dec, prompts, max_new, budget, level, res, start)}
+        return replace(row, status=PointStatus.OK, **summarise(res, comm_s),
+                       **self.kernel_split(dec, prompts, max_new, budget, level, res, start))
 
     def kernel_split(self, dec: Decoder, prompts: list[list[int]], max_new: int, budget: int, level: float,
-                     res: DecodeResult, start: Prefilled) -> Row:
+                     res: DecodeResult, start: Prefilled) -> Columns:
         """GPU busy time per step and its split by family, from a second decode of the same point (from
         the same prefill, rewound) under the kernel profiler (the decode is reproducible: the same
         steps, checked); outside = the measured step minus the busy time. The profiled run's own

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from engine.config import K2, K2_MINI, ModelConfig
+from engine.config import K2, K2_MINI, SHARD_TP, ModelConfig
 from engine.costs import (DenseOp, build_tree_cost, dense_op_cost, dense_ops, expected_experts, mla_cost, moe_cost,
                           tree_accept_cost)
 from engine.model import Init
-from engine.timing import Timing, host_us, time_op
+from engine.rows import AcceptShape, DenseShape, KernelRow, MlaShape, MoeShape, TreeShape, kernel_row
+from engine.timing import host_us, time_op
 from kernels import ops, reference
 
-Row = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,10 @@ class KernelProfile:
     cfg: ModelConfig
     moe_m: tuple[int, ...]
     moe_torch_m: tuple[int, ...]  # where the torch reference is timed too
-    moe_tp_m: tuple[int, ...]  # M of the TP-8 shard sweep (each expert's intermediate / 8): rows with tp 8
+    moe_tp_m: tuple[int, ...]  # M of the shard sweep (each expert's intermediate / SHARD_TP): rows with that tp
     attn: tuple[tuple[int, int, int], ...]  # (batch, budget, context), all heads
     attn_torch: tuple[tuple[int, int, int], ...]
-    attn_tp: tuple[tuple[int, int, int], ...]  # the same at one rank of TP-8 (heads / 8): rows with tp 8
+    attn_tp: tuple[tuple[int, int, int], ...]  # the same at one rank of TP-SHARD_TP (its heads): rows with that tp
     tree: tuple[tuple[int, int], ...]  # (batch, budget)
     dense_m: tuple[int, ...]  # M of every dense op (engine.costs.dense_ops) ...
     dense_tp: tuple[int, ...]  # ... at these TP degrees (a replicated op's shape is timed once, at the lowest)
@@ -73,20 +73,6 @@ POINT_S = 0.25  # a point's timed repeats stop near this many seconds (never und
 MIN_REPEATS = 5
 
 
-def resolved_impl(impl: str, module: str, device: torch.device) -> str:
-    """What "auto" actually ran: the impl column names the code that was timed."""
-    if impl != "auto":
-        return impl
-    return "triton" if device.type == "cuda" and ops.triton_module(module) is not None else "torch"
-
-
-def _timing_cols(t: Timing, nbytes: float, flops: float) -> Row:
-    s = t.p50_us * 1e-6
-    return {"time_us_p10": t.p10_us, "time_us_p50": t.p50_us, "time_us_p90": t.p90_us,
-            "repeats": t.repeats, "bytes": float(nbytes), "flops": float(flops),
-            "achieved_gbps": nbytes / s / 1e9, "achieved_tflops": flops / s / 1e12}
-
-
 class KernelBench:
     """Builds each point's inputs on the device and times one op on them."""
 
@@ -103,15 +89,15 @@ class KernelBench:
         self.ini.gen.manual_seed(self.seed)
         self.gen.manual_seed(self.seed + 1)
 
-    def points(self) -> list[tuple[str, Callable[[], Row]]]:
+    def points(self) -> list[tuple[str, Callable[[], KernelRow]]]:
         p = self.p
-        pts: list[tuple[str, Callable[[], Row]]] = []
+        pts: list[tuple[str, Callable[[], KernelRow]]] = []
         for m in p.moe_m:
             pts.append((f"moe_w4a16 M={m}", lambda m=m: self.moe(m, "auto")))
             if m in p.moe_torch_m:
                 pts.append((f"moe_w4a16 M={m} torch", lambda m=m: self.moe(m, "torch")))
         for m in p.moe_tp_m:
-            pts.append((f"moe_w4a16 M={m} tp=8", lambda m=m: self.moe(m, "auto", tp=8)))
+            pts.append((f"moe_w4a16 M={m} tp={SHARD_TP}", lambda m=m: self.moe(m, "auto", tp=SHARD_TP)))
         for b, n, c in p.attn:
             pts.append((f"mla_tree_attention Bt={b} B={n} ctx={c}",
                         lambda b=b, n=n, c=c: self.attention(b, n, c, "auto")))
@@ -119,10 +105,10 @@ class KernelBench:
             pts.append((f"mla_tree_attention Bt={b} B={n} ctx={c} torch",
                         lambda b=b, n=n, c=c: self.attention(b, n, c, "torch")))
         for b, n, c in p.attn_tp:
-            pts.append((f"mla_tree_attention Bt={b} B={n} ctx={c} tp=8",
-                        lambda b=b, n=n, c=c: self.attention(b, n, c, "auto", tp=8)))
+            pts.append((f"mla_tree_attention Bt={b} B={n} ctx={c} tp={SHARD_TP}",
+                        lambda b=b, n=n, c=c: self.attention(b, n, c, "auto", tp=SHARD_TP)))
         for b, n in p.tree:
-            pts.append((f"build_tree Bt={b} B={n}", lambda b=b, n=n: self.tree_build(b, n)))
+            pts.append((f"build_tree Bt={b} B={n}", lambda b=b, n=n: self.build_tree(b, n)))
         for b, n in p.tree:
             pts.append((f"tree_accept Bt={b} B={n}", lambda b=b, n=n: self.tree_accept(b, n)))
         for tp, op in self.dense_shapes():
@@ -142,7 +128,7 @@ class KernelBench:
                     out.append((tp, op))
         return out
 
-    def dense(self, op: DenseOp, m: int, tp: int) -> Row:
+    def dense(self, op: DenseOp, m: int, tp: int) -> KernelRow:
         """One op as the model runs it: F.linear, or the absorbed MLA einsum a head at a time."""
         dtype = torch.float32 if op.dtype == "float32" else self.dtype
         if op.heads > 1:  # w_uk: [h, k, n] as engine.model keeps it; w_uv: [h, n, k]
@@ -155,9 +141,9 @@ class KernelBench:
             x = self.ini.normal(m, op.k, std=1.0).to(dtype)
             fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
         t = time_op(fn, self.dev, budgeted_repeats(fn, self.dev, self.p.repeats))
-        return {"kernel": "dense_gemm", "op": op.name, "impl": "torch", "dtype": str(dtype).removeprefix("torch."),
-                "device": self.dev.type, "M": m, "N": op.n, "K": op.k, "batch": op.heads, "tp": tp,
-                **_timing_cols(t, *dense_op_cost(op, m, x.element_size()))}
+        return kernel_row("dense_gemm", "torch", str(dtype).removeprefix("torch."), self.dev.type,
+                          DenseShape(op.name, m, op.n, op.k, op.heads), t, *dense_op_cost(op, m, x.element_size()),
+                          tp=tp)
 
     # ------------------------------------------------------------------ MoE
     def moe_weights(self, tp: int = 1) -> tuple[torch.Tensor, ...]:
@@ -179,7 +165,7 @@ class KernelBench:
         tw, ids = scores.topk(c.top_k, dim=-1)
         return x, ids, (tw / tw.sum(-1, keepdim=True)).float()
 
-    def moe(self, m: int, impl: str, tp: int = 1) -> Row:
+    def moe(self, m: int, impl: str, tp: int = 1) -> KernelRow:
         c = self.p.cfg
         w = self.moe_weights(tp)
         x, ids, tw = self.moe_inputs(m)
@@ -190,11 +176,9 @@ class KernelBench:
         h, i, e, k = c.hidden, c.moe_inter // tp, c.experts, c.top_k
         unique = int(ids.unique().numel())
         nbytes, flops = moe_cost(c, m, unique, x.element_size(), tp)
-        return {"kernel": "moe_w4a16", "impl": ops.moe_impl(x, w[0], w[2], impl),
-                "dtype": str(self.dtype).removeprefix("torch."), "device": self.dev.type,
-                "M": m, "N": 2 * i, "K": h, "E": e, "top_k": k, "tp": tp, "unique_experts": unique,
-                "expected_experts": expected_experts(e, k, m), "host_us": host,
-                **_timing_cols(t, nbytes, flops)}
+        return kernel_row("moe_w4a16", ops.moe_impl(x, w[0], w[2], impl), str(self.dtype).removeprefix("torch."),
+                          self.dev.type, MoeShape(m, 2 * i, h, e, k), t, nbytes, flops, tp=tp,
+                          unique_experts=unique, expected_experts=expected_experts(e, k, m), host_us=host)
 
     # ------------------------------------------------------------------ trees
     def draft(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -210,14 +194,13 @@ class KernelBench:
         lp, tok, root = self.draft(batch)
         return reference.build_tree(lp, tok, root, budget)
 
-    def tree_build(self, batch: int, budget: int) -> Row:
+    def build_tree(self, batch: int, budget: int) -> KernelRow:
         lp, tok, root = self.draft(batch)
         c = self.p.cfg
         t = time_op(lambda: ops.build_tree(lp, tok, root, budget), self.dev, self.p.repeats)
-        return {"kernel": "build_tree", "impl": resolved_impl("auto", "tree_build", self.dev),
-                "dtype": "float32", "device": self.dev.type, "budget": budget, "batch": batch,
-                "K": c.draft_topk, "N": c.draft_len,
-                **_timing_cols(t, *build_tree_cost(c, batch, budget))}  # flops: one score add per node
+        return kernel_row("build_tree", ops.kernel_impl("auto", "build_tree", lp), "float32", self.dev.type,
+                          TreeShape(batch, budget, c.draft_len, c.draft_topk), t,
+                          *build_tree_cost(c, batch, budget))  # flops: one score add per node
 
     def accept_inputs(self, batch: int, budget: int) -> tuple[ops.Tree, torch.Tensor]:
         """A real tree and a target argmax that agrees with each node's first child (a deep walk)."""
@@ -229,12 +212,12 @@ class KernelBench:
         rand = torch.randint(0, self.p.cfg.vocab, (batch, n), generator=self.gen, device=self.dev)
         return tree, torch.where(first < n, tree.tokens.gather(1, first.clamp(max=n - 1)), rand)
 
-    def tree_accept(self, batch: int, budget: int) -> Row:
+    def tree_accept(self, batch: int, budget: int) -> KernelRow:
         tree, want = self.accept_inputs(batch, budget)
         t = time_op(lambda: ops.tree_accept(tree, want), self.dev, self.p.repeats)
-        return {"kernel": "tree_accept", "impl": resolved_impl("auto", "tree_accept", self.dev),
-                "dtype": "int64", "device": self.dev.type, "budget": budget, "batch": batch,
-                **_timing_cols(t, *tree_accept_cost(self.p.cfg, batch, budget))}  # flops: one compare per node
+        return kernel_row("tree_accept", ops.kernel_impl("auto", "tree_accept", tree.tokens), "int64", self.dev.type,
+                          AcceptShape(batch, budget), t,
+                          *tree_accept_cost(self.p.cfg, batch, budget))  # flops: one compare per node
 
     # ------------------------------------------------------------------ attention
     def attention_inputs(self, batch: int, budget: int, context: int, tp: int = 1) -> tuple:
@@ -250,7 +233,7 @@ class KernelBench:
         lens = torch.full((batch,), context, dtype=torch.int64, device=self.dev)
         return q_nope, q_rope, ckv, kpe, lens, self.tree(batch, budget).mask, 1.0 / (c.qk_dim ** 0.5)
 
-    def attention(self, batch: int, budget: int, context: int, impl: str, tp: int = 1) -> Row:
+    def attention(self, batch: int, budget: int, context: int, impl: str, tp: int = 1) -> KernelRow:
         c = self.p.cfg
         q_nope, q_rope, ckv, kpe, lens, mask, scale = self.attention_inputs(batch, budget, context, tp)
         if impl == "torch":  # the plain-PyTorch baseline, in the input dtype
@@ -262,10 +245,9 @@ class KernelBench:
             reps = budgeted_repeats(fn, self.dev, self.p.repeats)
         t = time_op(fn, self.dev, reps)
         nbytes, flops = mla_cost(c, batch, budget, context, q_nope.element_size(), tp)
-        return {"kernel": "mla_tree_attention", "impl": resolved_impl(impl, "mla_verify", self.dev),
-                "dtype": str(self.dtype).removeprefix("torch."), "device": self.dev.type,
-                "budget": budget, "context": context, "batch": batch, "N": q_nope.shape[2],
-                "K": c.kv_lora + c.rope_dim, "tp": tp, **_timing_cols(t, nbytes, flops)}
+        return kernel_row("mla_tree_attention", ops.mla_impl(q_nope, impl), str(self.dtype).removeprefix("torch."),
+                          self.dev.type, MlaShape(batch, budget, context, q_nope.shape[2], c.kv_lora + c.rope_dim),
+                          t, nbytes, flops, tp=tp)
 
 
 def budgeted_repeats(fn: Callable[[], object], device: torch.device, repeats: int) -> int:

@@ -10,7 +10,7 @@ every shape of FlashMLA's comparison grid, each on the same inputs, with the all
 work is FlashMLA's; with `--flashmla CSV` (shared/data/mla-flashmla-h200.csv) each row carries
 FlashMLA's time beside ours, outside data that is never fitted on; with `--baseline FILE` (an older
 kernels/mla_verify.py, e.g. `git show 4a06ed9:kernels/mla_verify.py`) that kernel is timed too.
-`--sweep` times tile configs and split counts at a few shapes (the table in kernels/mla_verify.py
+`--sweep` times tile configs and split counts at a few shapes (the table in kernels/mla_tree_attention.py
 comes from it). Writes DIR/mla_check.csv, DIR/mla_time.csv, ... (each row written as it is measured,
 added to what DIR holds) and prints the time table last; `--deadline-s` bounds the timing, and the
 points it could not reach are written as skipped.
@@ -30,11 +30,12 @@ from typing import Any, Callable
 import torch
 
 from engine.bench_kernels import budgeted_repeats
+from engine.build import rel_err
 from engine.config import K2
 from engine.costs import mla_cost
+from engine.gpu_check import poisoned, unpoisoned
 from engine.timing import copy_gbps, matmul_tflops, time_op
-from kernels import mla_verify, reference, tree_build
-from kernels.gpu_check import poisoned, rel_err, unpoisoned
+from kernels import build_tree, mla_tree_attention, reference
 
 DEVICE, DTYPE = torch.device("cuda"), torch.bfloat16
 DL, DR = K2.kv_lora, K2.rope_dim
@@ -54,7 +55,7 @@ CHECKS: list[tuple[int, int, int, list[int], str, dict[str, Any]]] = [
     (8, 1, 2048, [30000], "causal", {}), (8, 2, 1, [7000, 1], "causal", {}),
 ]
 # Sweep: tile configs at a few shapes, then split counts.
-C = mla_verify.Config
+C = mla_tree_attention.Config
 CONFIG_SWEEP = [C("triton", 64, 128, 8, 1), C("triton", 64, 32, 8, 3)]  # besides NAMED's, timed in the grid
 SMALL_SWEEP = [C("triton", 16, 64, 4, 3), C("triton", 16, 64, 4, 2), C("triton", 16, 32, 4, 3),
                C("triton", 64, 64, 8, 2), C("gluon", 64, 64, 8, 1)]
@@ -110,11 +111,11 @@ def inputs(heads: int, batch: int, t: int, ctx: list[int], mask: str, s: int | N
     else:  # a DDTree of T nodes from drafter-like log-probs, built on the GPU (K2's L 16, k 8)
         lp = torch.log_softmax(torch.randn(batch, K2.draft_len, 64, device=dev) * 2, -1).topk(K2.draft_topk, -1).values
         tok = torch.randint(0, 1000, (batch, K2.draft_len, K2.draft_topk), device=dev)
-        tm = tree_build.build_tree(lp, tok, torch.zeros(batch, dtype=torch.int64, device=dev), t - 1).mask
+        tm = build_tree.build_tree(lp, tok, torch.zeros(batch, dtype=torch.int64, device=dev), t - 1).mask
     return qn, qr, ckv, kpe, lens, tm
 
 
-def check(out: Out, configs: list[mla_verify.Config | None]) -> None:
+def check(out: Out, configs: list[mla_tree_attention.Config | None]) -> None:
     """Each CHECKS case with each config (None: the table's pick), every buffer the kernel allocates NaN.
 
     Inputs are seeded by the case's index (two runs check the same inputs); the error is against the
@@ -127,16 +128,16 @@ def check(out: Out, configs: list[mla_verify.Config | None]) -> None:
         want = reference.mla_tree_attention(*args, SCALE, causal=causal)
         exact = reference.mla_tree_attention(*args, SCALE, causal=causal, compute_dtype=torch.float64)
         for cfg in configs:
-            poisoned(mla_verify)
+            poisoned(mla_tree_attention)
             error, seqs, err64 = "", [float("inf")], float("inf")
             try:
-                got = mla_verify.mla_tree_attention(*args, SCALE, causal=causal, config=cfg, **kw)
+                got = mla_tree_attention.mla_tree_attention(*args, SCALE, causal=causal, config=cfg, **kw)
                 seqs = [rel_err(got[b], want[b]) for b in range(batch)]
                 err, err64 = rel_err(got, want), rel_err(got, exact)
             except Exception as e:  # recorded; the other cases still run
                 err, error = float("inf"), f"{type(e).__name__}: {e}"[:200]
             finally:
-                unpoisoned(mla_verify)
+                unpoisoned(mla_tree_attention)
             out("mla_check", config=" ".join(map(str, cfg)) if cfg else "auto", heads=heads, batch=batch, T=t,
                 ctx=" ".join(map(str, ctx)), mask=mask, splits=kw.get("splits", "plan"), rel_err=err, ok=err < 1e-2,
                 rel_err_f64=err64, ref_f32_vs_f64=rel_err(want, exact), worst_seq=max(range(len(seqs)), key=seqs.__getitem__),
@@ -174,7 +175,7 @@ def time_grid(out: Out, names: list[str], baseline: ModuleType | None) -> None:
             kernels.append((name, baseline.mla_tree_attention))
         else:
             cfg = NAMED.get(name)
-            kernels.append((name, lambda *a, cfg=cfg: mla_verify.mla_tree_attention(*a, config=cfg)))
+            kernels.append((name, lambda *a, cfg=cfg: mla_tree_attention.mla_tree_attention(*a, config=cfg)))
     for heads, batch, budget, context in GRID:
         args = inputs(heads, batch, budget + 1, [context] * batch, "all")
         for name, fn in kernels:
@@ -197,7 +198,7 @@ def sweep(out: Out) -> None:
                 name = " ".join(map(str, cfg))
                 try:
                     timed(out, "mla_sweep", cfg.kernel,
-                          lambda cfg=cfg: mla_verify.mla_tree_attention(*args, SCALE, config=cfg), shape, reps=20, config=name)
+                          lambda cfg=cfg: mla_tree_attention.mla_tree_attention(*args, SCALE, config=cfg), shape, reps=20, config=name)
                 except Exception as e:  # a config that does not fit (shared memory) is recorded, not fatal
                     out("mla_sweep", kernel=cfg.kernel, heads=heads, batch=batch, budget=budget, context=context,
                         config=name, status=f"error: {type(e).__name__}: {e}"[:200])
@@ -205,11 +206,11 @@ def sweep(out: Out) -> None:
     for shape in SPLIT_SHAPES:  # the table's pick at each split count
         heads, batch, budget, context = shape
         args = inputs(heads, batch, budget + 1, [context] * batch, "all")
-        cfg = mla_verify.pick_config(DEVICE, (budget + 1) * heads, DTYPE)
+        cfg = mla_tree_attention.pick_config(mla_tree_attention.capability(DEVICE), (budget + 1) * heads, DTYPE)
         tiles = batch * -(-(budget + 1) * heads // cfg.bm)
-        planned, _ = mla_verify.plan_splits(tiles, context + budget + 1, cfg.bn, mla_verify.sm_count(DEVICE))
+        planned, _ = mla_tree_attention.plan_splits(tiles, context + budget + 1, cfg.bn, mla_tree_attention.sm_count(DEVICE))
         for n in sorted({1, 4, 16, 64, planned // 2 or 1, planned, 2 * planned}):
-            timed(out, "mla_splits", cfg.kernel, lambda n=n: mla_verify.mla_tree_attention(*args, SCALE, splits=n),
+            timed(out, "mla_splits", cfg.kernel, lambda n=n: mla_tree_attention.mla_tree_attention(*args, SCALE, splits=n),
                   shape, reps=20, splits=n, planned=planned, tiles=tiles)
         del args
     torch.cuda.empty_cache()
@@ -250,7 +251,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="folder for mla_check.csv, mla_time.csv, ...")
     ap.add_argument("--flashmla", type=Path, help="FlashMLA's figures (shared/data/mla-flashmla-h200.csv)")
-    ap.add_argument("--baseline", type=Path, help="an older kernels/mla_verify.py to time beside this one")
+    ap.add_argument("--baseline", type=Path, help="an older kernels/mla_tree_attention.py to time beside this one")
     ap.add_argument("--kernels", default="auto", help="comma list for the grid: auto (the table's pick), "
                     "triton, gluon (each at its main config), baseline (--baseline's kernel); none: no grid")
     ap.add_argument("--check", default="auto", help="comma list of configs to check: auto, triton, gluon; none")
@@ -266,11 +267,11 @@ def main() -> None:
         h, b, n, c = (int(x) for x in shape.split(","))
         args = inputs(h, b, n + 1, [c] * b, "all")
         for _ in range(2):
-            mla_verify.mla_tree_attention(*args, SCALE, config=NAMED.get(name))
+            mla_tree_attention.mla_tree_attention(*args, SCALE, config=NAMED.get(name))
         torch.cuda.synchronize()
         return
     out = Out(a.out, time.time() + a.deadline_s, read_flashmla(a.flashmla) if a.flashmla else {})
-    out("mla_ceilings", gpu=torch.cuda.get_device_name(), sms=mla_verify.sm_count(DEVICE),
+    out("mla_ceilings", gpu=torch.cuda.get_device_name(), sms=mla_tree_attention.sm_count(DEVICE),
         copy_gbps=copy_gbps(DEVICE), bf16_tflops=matmul_tflops(DEVICE), torch=torch.__version__,
         triton=__import__("triton").__version__)
     if a.check != "none":

@@ -23,13 +23,13 @@ import torch
 
 from engine import bench_e2e, bench_kernels
 from engine.bench_kernels import KernelBench, KernelProfile
-from engine.config import ModelConfig
+from engine.config import SHARD_TP, ModelConfig
 from engine.env import UsageError, check_arch, facts, fail, now_iso
 from kernels import ops
 
 ARCHES = ("sm_90", "sm_100", "sm_103", "sm_120", "cpu")
-MODULES = {"moe_w4a16": "moe_gemm", "mla_tree_attention": "mla_verify",
-           "build_tree": "tree_build", "tree_accept": "tree_accept"}
+MODULES = {"moe_w4a16": "moe_gemm", "mla_tree_attention": "mla_tree_attention",
+           "build_tree": "build_tree", "tree_accept": "tree_accept"}
 TOL = {"moe_w4a16": 1e-2, "mla_tree_attention": 1e-2}  # bf16 kernels vs float32 references
 
 
@@ -50,18 +50,18 @@ def tree_err(a: ops.Tree | tuple, b: ops.Tree | tuple) -> float:
 # M compared against the reference besides each sweep's smallest and largest: one in each range of
 # the CUDA MoE's configs of another kind (one-token stages, 8- and 16-slot blocks; 32 at the largest)
 COMPARE_M = (1, 16, 128, 512)
-MOE_TP = (1, 8)  # the MoE's shapes: the full experts and one TP-8 rank's shard
+MOE_TP = (1, SHARD_TP)  # the MoE's shapes: the full experts and one rank's shard
 
 
-# Chunked-prefill shapes of MLA's causal mode at one TP-8 rank: (batch, chunk tokens, prefix)
+# Chunked-prefill shapes of MLA's causal mode at one rank of TP-SHARD_TP: (batch, chunk tokens, prefix)
 MLA_CAUSAL = ((1, 1024, 3000), (2, 300, 5001))
 
 
 def moe_shapes(p: KernelProfile, e2e_m: set[int]) -> list[tuple[int, int, bool]]:
     """(tp, M, compare?) of the MoE check: the full shapes at the kernel suite's and the e2e suite's M,
-    then one TP-8 rank's shard at the shard sweep's M (its own configs)."""
+    then one rank's shard (TP-SHARD_TP) at the shard sweep's M (its own configs)."""
     out = []
-    for tp, ms in ((1, sorted(set(p.moe_m) | e2e_m)), (8, sorted(p.moe_tp_m))):
+    for tp, ms in ((1, sorted(set(p.moe_m) | e2e_m)), (SHARD_TP, sorted(p.moe_tp_m))):
         out += [(tp, m, m in COMPARE_M or m in (ms[0], ms[-1])) for m in ms]
     return out
 
@@ -75,14 +75,14 @@ def cases(kb: KernelBench, device: torch.device) -> dict[str, list[tuple[Callabl
             x, ids, tw = kb.moe_inputs(m)
             return ops.moe_w4a16(x, *kb.moe_weights(tp), ids, tw, impl=impl)
         out["moe_w4a16"].append((moe, compare))
-    for tp, shapes in ((1, p.attn), (8, p.attn_tp)):
+    for tp, shapes in ((1, p.attn), (SHARD_TP, p.attn_tp)):
         for b, n, c in shapes:
             def att(impl: str, b: int = b, n: int = n, c: int = c, tp: int = tp) -> Any:
                 return ops.mla_tree_attention(*kb.attention_inputs(b, n, c, tp), impl=impl)
             out["mla_tree_attention"].append((att, c <= 4096 and n <= 256 and b * n <= 1024))
     for b, n, c in MLA_CAUSAL if device.type == "cuda" else ():
         def chunk(impl: str, b: int = b, n: int = n, c: int = c) -> Any:
-            *args, _, scale = kb.attention_inputs(b, n - 1, c, 8)
+            *args, _, scale = kb.attention_inputs(b, n - 1, c, SHARD_TP)
             return ops.mla_tree_attention(*args, None, scale, impl=impl, causal=True)
         out["mla_tree_attention"].append((chunk, True))
     for b, n in p.tree:
@@ -104,7 +104,7 @@ def _e2e_moe_m(device: torch.device) -> set[int]:
 def check(name: str, runs: list[tuple[Callable[[str], Any], bool]], kb: KernelBench) -> dict[str, Any]:
     """Run one kernel at all its shapes; compare against the reference where asked."""
     device = kb.dev
-    if device.type == "cpu" or ops.triton_module(MODULES[name]) is None:
+    if device.type == "cpu" or ops.kernel_module(MODULES[name]) is None:
         try:
             for run, _ in runs[:2] if device.type == "cuda" else runs:
                 run("torch")
@@ -133,8 +133,8 @@ def check(name: str, runs: list[tuple[Callable[[str], Any], bool]], kb: KernelBe
 
 def moe_cuda_build(device: torch.device, cfg: ModelConfig) -> dict[str, Any]:
     """Which MoE kernel this host runs, and why: the CUDA C++ one needs the host's nvcc, and each M
-    bucket's configs must fit this device (per bucket and shape: the full experts and a TP-8 rank's)."""
-    cuda = ops.triton_module("moe_cuda")
+    bucket's configs must fit this device (per bucket and shape: the full experts and one rank's shard)."""
+    cuda = ops.kernel_module("moe_cuda")
     reason = "kernels.moe_cuda does not import" if cuda is None else cuda.unavailable_reason(device)
     if reason is not None:
         print(f"moe_w4a16: CUDA kernel unavailable ({reason}); the Triton kernel runs")

@@ -59,6 +59,9 @@ K2_MINI = ModelConfig(
 )
 
 CONFIGS = {c.name: c for c in (K2, K2_MINI)}
+# The TP degree of the shard shapes the kernel suite, the build check and the MoE config sweep time
+# beside the full ones: one rank of an 8-GPU box (each expert's intermediate and the heads / 8).
+SHARD_TP = 8
 
 
 def make_config(name: str, layers: int | None = None, vocab: int | None = None) -> ModelConfig:

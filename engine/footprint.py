@@ -18,7 +18,7 @@ from torch import Tensor
 from engine.config import ModelConfig
 from engine.decode import Decoder, chunk_len
 
-# Query rows x splits the Triton MLA kernel's split partials cover at most (kernels.mla_verify
+# Query rows x splits the Triton MLA kernel's split partials cover at most (kernels.mla_tree_attention
 # plans ~2 waves of programs; an estimate need not import Triton).
 MLA_PARTIAL_ROWS = 528
 

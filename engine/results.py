@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import signal
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
 from engine import schema
 from engine.env import now_iso
+from engine.rows import ROWS, RunRow, set_columns
+from engine.schema import RunStatus
 
 
 class Terminated(Exception):
@@ -57,17 +60,18 @@ def progress(event: dict[str, Any]) -> None:
 
 
 class SuiteWriter:
-    """Owns <suite>.arrow and this suite's row of runs.arrow for one run."""
+    """Owns <suite>.arrow and this suite's row of runs.arrow for one run; points come as the suite's
+    typed rows (engine.rows), without run_id and source, which the writer sets."""
 
     def __init__(self, out_dir: Path, suite: str, profile: str, prov: dict[str, Any], n_points: int):
         self.out, self.suite, self.profile, self.n = Path(out_dir), suite, profile, n_points
         self.out.mkdir(parents=True, exist_ok=True)
         self.prov = dict(prov)
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[Any] = []
         self.run_row: dict[str, Any] = {}
         self.other_runs = self._other_runs()
 
-    def _other_runs(self) -> list[dict[str, Any]]:
+    def _other_runs(self) -> list[RunRow]:
         """Rows other suites left in runs.arrow of this directory (a later suite appends its own)."""
         path = self.out / "runs.arrow"
         if not path.exists():
@@ -76,13 +80,14 @@ class SuiteWriter:
             rows = schema.read_table(path).to_pylist()
         except schema.SchemaError:
             return []
-        return [r for r in rows if (r["run_id"], r["suite"]) != (self.prov["run_id"], self.suite)]
+        return [RunRow(**r) for r in rows if (r["run_id"], r["suite"]) != (self.prov["run_id"], self.suite)]
 
-    def _write(self, status: str) -> None:
+    def _write(self, status: RunStatus) -> None:
         self.prov["ended_at"] = now_iso()
         run = {k: self.prov.get(k) for k in schema.PROVENANCE_KEYS}
         run.update(self.run_row, suite=self.suite, profile=self.profile, status=status,
                    points=len(self.rows), source="measured")
+        run = RunRow(**run)
         with _critical():
             schema.write_table(self.out, schema.to_table(self.suite, self.rows, self.prov))
             schema.write_table(self.out, schema.to_table("runs", self.other_runs + [run], self.prov))
@@ -90,19 +95,21 @@ class SuiteWriter:
     def start(self, **run_fields: Any) -> None:
         """First write: the runs row (with ceilings) and an empty suite table, status partial."""
         self.run_row.update(run_fields)
-        self._write("partial")
+        self._write(RunStatus.PARTIAL)
 
-    def add(self, row: dict[str, Any], summary: dict[str, Any] | None = None) -> None:
-        """Save a point and announce it; SIGTERM waits for both, so the controller's log names every
-        point the files hold."""
-        row = {"run_id": self.prov["run_id"], "source": "measured", **row}
+    def add(self, row: Any) -> None:
+        """Save a point (a row of the suite's table) and announce it with the columns it sets; SIGTERM
+        waits for both, so the controller's log names every point the files hold."""
+        if not isinstance(row, ROWS[self.suite]):
+            raise TypeError(f"{self.suite} suite: a point is an engine.rows.{ROWS[self.suite].__name__}, "
+                            f"not {type(row).__name__}")
+        row = replace(row, run_id=self.prov["run_id"], source="measured")
         self.rows.append(row)
         with _critical():
-            self._write("partial")
-            progress({"event": "point", "suite": self.suite, "i": len(self.rows), "n": self.n,
-                      **(summary if summary is not None else row)})
+            self._write(RunStatus.PARTIAL)
+            progress({"event": "point", "suite": self.suite, "i": len(self.rows), "n": self.n, **set_columns(row)})
 
-    def finish(self, status: str, note: str | None = None) -> None:
+    def finish(self, status: RunStatus, note: str | None = None) -> None:
         if note:
             self.run_row["note"] = "; ".join(x for x in (self.run_row.get("note"), note) if x)
         with _critical():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import struct
+from dataclasses import asdict, is_dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -42,7 +44,7 @@ PROVENANCE_KEYS = (
 SCHEMAS: dict[str, pa.Schema] = {
     "runs": pa.schema([
         _f("run_id", _s, False), _f("host", _s, False), _f("suite", _s, False),
-        _f("profile", _s, False), _f("status", _s, False),  # complete | partial | skipped
+        _f("profile", _s, False), _f("status", _s, False),  # RunStatus
         _f("gpu_name", _s), _f("gpu_count", _i), _f("driver", _s), _f("cuda", _s),
         _f("torch", _s), _f("triton", _s), _f("python", _s), _f("payload_hash", _s),
         _f("arch", _s), _f("device", _s),  # device: cuda | cpu
@@ -74,7 +76,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         _f("device", _s, False), _f("concurrency", _i, False), _f("budget", _i, False),
         _f("context", _i),  # prompt tokens a sequence holds in its cache when decoding starts (mean)
         _f("synthetic_accept", _d),  # the drafter's steering level: acceptance is synthetic
-        # ok | skipped; a skipped point keeps its key, the reason and the device bytes it needed
+        # PointStatus; a skipped point keeps its key, the reason and the device bytes it needed
         _f("status", _s, False), _f("skip_reason", _s), _f("memory_bytes", _d),
         _f("accept_len_mean", _d), _f("tokens_per_s", _d), _f("steps", _i),
         _f("step_ms_p50", _d), _f("step_ms_p99", _d), _f("ttft_ms", _d),
@@ -95,7 +97,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "comm": pa.schema([
         _f("run_id", _s, False), _f("op", _s, False), _f("world_size", _i, False),
         _f("bytes", _i, False), _f("time_us_p50", _d), _f("algbw_gbps", _d),
-        _f("busbw_gbps", _d), _f("status", _s, False),  # ok | skipped
+        _f("busbw_gbps", _d), _f("status", _s, False),  # PointStatus
         _f("skip_reason", _s), _f("source", _s, False),
     ]),
 }
@@ -137,12 +139,29 @@ BOUNDS: dict[str, dict[str, tuple[float, float]]] = {
     "comm": {"world_size": (0, 1 << 12), "bytes": (0, 1 << 50), "time_us_p50": _T_US, "algbw_gbps": _RATE,
              "busbw_gbps": _RATE},
 }
+
+
+class RunStatus(StrEnum):
+    """A suite's state in the runs table: all its points, some (interrupted, or points failed), none."""
+
+    COMPLETE = "complete"
+    PARTIAL = "partial"
+    SKIPPED = "skipped"
+
+
+class PointStatus(StrEnum):
+    """An e2e or comm point's state: measured, or skipped (its key and the reason kept)."""
+
+    OK = "ok"
+    SKIPPED = "skipped"
+
+
 # The columns that name a state: one of these values (suite "whatif": the controller's stored what-if
 # answers, projected only; a host's runs name the three suites engine.bench runs).
 STATES: dict[str, dict[str, tuple[str, ...]]] = {
-    "runs": {"suite": ("kernels", "e2e", "comm", "whatif"), "status": ("complete", "partial", "skipped")},
-    "e2e": {"status": ("ok", "skipped")},
-    "comm": {"status": ("ok", "skipped")},
+    "runs": {"suite": ("kernels", "e2e", "comm", "whatif"), "status": tuple(s.value for s in RunStatus)},
+    "e2e": {"status": tuple(s.value for s in PointStatus)},
+    "comm": {"status": tuple(s.value for s in PointStatus)},
 }
 
 
@@ -150,14 +169,15 @@ class SchemaError(ValueError):
     """A result file that does not match the contract; the message names the file and field."""
 
 
-def to_table(name: str, rows: Iterable[Mapping[str, Any]], provenance: Mapping[str, Any]) -> pa.Table:
-    """Build a table of `name` from row dicts (missing nullable columns become null)."""
+def to_table(name: str, rows: Iterable[Any], provenance: Mapping[str, Any]) -> pa.Table:
+    """Build a table of `name` from rows: engine.rows' typed rows, or dicts (a column a dict leaves out
+    takes its `defaults` value, null where it has none)."""
     schema = SCHEMAS[name]
-    rows = list(rows)
+    rows = [asdict(r) if is_dataclass(r) else r for r in rows]
     unknown = {k for r in rows for k in r} - set(schema.names)
     if unknown:
         raise SchemaError(f"{name}: unknown columns {sorted(unknown)}")
-    defaults = _ADDED.get(name, {})
+    defaults = column_defaults(name)
     cols = {f.name: [r.get(f.name, defaults.get(f.name)) for r in rows] for f in schema}
     meta = {"kdbench.schema_version": SCHEMA_VERSION, "kdbench.table": name,
             "kdbench.provenance": json.dumps(dict(provenance), sort_keys=True)}
@@ -324,6 +344,11 @@ _ADDED: dict[str, dict[str, Any]] = {
             "skip_reason": None, "memory_bytes": None, "moe_ms": None, "attention_ms": None, "dense_ms": None,
             "lm_head_ms": None, "tree_ms": None, "gpu_other_ms": None},
 }
+
+
+def column_defaults(name: str) -> dict[str, Any]:
+    """The columns of table `name` added since version 2, and the value a row or file without them means."""
+    return dict(_ADDED.get(name, {}))
 
 
 def _upgrade(table: pa.Table, name: str) -> pa.Table:

@@ -76,8 +76,8 @@ def flush_l2(scratch: torch.Tensor) -> None:
     """Evict L2 by reading `scratch` (larger than L2), leaving it holding clean lines.
 
     Why a read: zeroing the buffer (Triton do_bench's flush) leaves L2 full of dirty lines, and the
-    timed op pays for writing them back: on an H200, 8.5 us of a 68 us MoE call at M = 1
-    (kernels/NOTES.md v13). Before a layer of a real step L2 holds mostly clean lines.
+    timed op pays for writing them back (kernels/NOTES.md v13 measured what that adds to a MoE call).
+    Before a layer of a real step L2 holds mostly clean lines.
     """
     scratch.max()
 

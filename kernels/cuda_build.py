@@ -2,7 +2,7 @@
 
 Why not a torch extension: that needs a host C++ toolchain and Python headers and takes a minute
 to compile; a cubin needs only nvcc (seconds) and the driver, which every GPU host has. The cubin
-is cached by the hash of (source, nvcc version, arch, flags), like Triton's cache, so
+is cached by the hash of (prelude, source, nvcc version, arch, flags), like Triton's cache, so
 `engine.build` compiles once and the benches load it. Launches go through the driver API on
 torch's current stream, so they are captured by CUDA graphs like any other kernel; a launch may ask
 for programmatic dependent launch (sm_90 on), so that its CTAs start while the kernel before it drains
@@ -95,29 +95,35 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KDBENCH_CUDA_CACHE") or Path.home() / ".cache" / "kdbench" / "cuda")
 
 
-def compile_cubin(source: Path, arch: str, defines: tuple[str, ...] = ()) -> Path:
-    """The cached cubin of `source` for `arch` with macros `defines` (names) set, compiled now if
-    missing (atomic: tmp file, then rename)."""
+def compile_cubin(source: Path, arch: str, prelude: str = "") -> Path:
+    """The cached cubin of `source` for `arch`, compiled after `prelude` (source text: what the host
+    decides for this build, e.g. the MoE's layout and kernel list) now if missing (atomic: tmp file,
+    then rename). nvcc reads prelude + source as one file whose lines name `source` (a #line)."""
     nvcc = nvcc_path()
     version = nvcc_version(nvcc)
     num = arch.removeprefix("sm_")
-    flags = (*NVCC_FLAGS, f"-gencode=arch=compute_{num},code=sm_{num}", *(f"-D{d}" for d in defines))
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(), " ".join(flags).encode()])).hexdigest()
+    flags = (*NVCC_FLAGS, f"-gencode=arch=compute_{num},code=sm_{num}")
+    text = f'{prelude}#line 1 "{source.name}"\n'.encode() + source.read_bytes()
+    key = hashlib.sha256(b"\0".join([text, version.encode(), " ".join(flags).encode()])).hexdigest()
     out = cache_dir() / f"{source.stem}-{arch}-{key[:16]}.cubin"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    unit = out.with_suffix(f".{os.getpid()}.cu")
+    unit.write_bytes(text)
     try:
-        res = subprocess.run([nvcc, *flags, "-o", str(tmp), str(source)], capture_output=True, text=True,
+        res = subprocess.run([nvcc, *flags, "-o", str(tmp), str(unit)], capture_output=True, text=True,
                              timeout=NVCC_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise CudaUnavailable(f"nvcc took over {NVCC_TIMEOUT_S} s on {source.name}") from None
+    finally:
+        unit.unlink(missing_ok=True)
     if res.returncode != 0:
         tmp.unlink(missing_ok=True)
-        tail = " | ".join((res.stderr or res.stdout).replace(str(source.parent), "kernels").replace(
-            str(tmp), "out.cubin").strip().splitlines()[-4:])[:600]  # no host paths in the message
-        raise CudaUnavailable(f"nvcc failed on {source.name} for {arch} (exit {res.returncode}): {tail}")
+        tail = " | ".join((res.stderr or res.stdout).replace(str(unit), source.name).replace(
+            str(source.parent), "kernels").replace(str(tmp), "out.cubin").strip().splitlines()[-4:])[:600]
+        raise CudaUnavailable(f"nvcc failed on {source.name} for {arch} (exit {res.returncode}): {tail}")  # no host paths
     os.replace(tmp, out)
     return out
 
@@ -230,9 +236,8 @@ class Module:
 
 
 @cache
-def module(source_name: str, device: torch.device, defines: tuple[str, ...] = ()) -> Module:
-    """kernels/<source_name> built (or taken from the cache) for `device`'s arch, with macros
-    `defines` set, and loaded."""
+def module(source_name: str, device: torch.device, prelude: str = "") -> Module:
+    """kernels/<source_name> built after `prelude` (or taken from the cache) for `device`'s arch, and loaded."""
     if device.type != "cuda":
         raise CudaUnavailable(f"{source_name} needs a CUDA device, not {device.type}")
-    return Module(compile_cubin(HERE / source_name, arch_of(device), defines), device)
+    return Module(compile_cubin(HERE / source_name, arch_of(device), prelude), device)

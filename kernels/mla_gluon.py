@@ -1,4 +1,4 @@
-"""MLA tree verify for Hopper (sm_90) in Gluon: the kernel of kernels/mla_verify.py with its MMAs laid out by hand.
+"""MLA tree verify for Hopper (sm_90) in Gluon: the kernel of kernels/mla_tree_attention.py with its MMAs laid out by hand.
 
 Triton lays out the first of two chained dots with all warps along M; with a 64-row tile and two
 warpgroups that makes both warpgroups compute the same 64 x 64 score block (kernels/NOTES.md
@@ -8,7 +8,7 @@ shared memory each block (the row sums only once, at the end), P goes to shared 
 warpgroup accumulates its 256 of the 512 output columns. Latent and rope tiles stream in by
 cp.async, two stages deep (block j + 1 in flight while block j is computed); queries stay in shared
 memory. Same programs, row tiles, splits, masks and outputs as `_mla_rows`, which the wrapper in
-mla_verify.py shares; 8 warps, BM = BN = 64 (the shared memory of Q + two stages + P is 225 KB).
+mla_tree_attention.py shares; 8 warps, BM = BN = 64 (the shared memory of Q + two stages + P is 225 KB).
 """
 
 from __future__ import annotations

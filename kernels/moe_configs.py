@@ -9,6 +9,12 @@ asks it): where the table's pick does not fit, the pick of the next smaller buck
 serves every M of the bucket runs, else the Triton kernel. Every choice carries its reason in
 words, which `engine.build` writes to build.json.
 
+The shared-memory layout of a pass's ring is computed here only (`StageLayout`, `PassConfig.smem_bytes`):
+kernels/moe_cuda.py builds moe_w4a16.cu with a prelude made from it (`cuda_prelude`: the layout's
+constants and one MOE_KERNEL line a kernel with its stage's byte counts), so the kernel's stage
+strides are the bytes the host allocates, and a layout the kernel's addressing cannot read does
+not build.
+
 Pure Python (no torch): the tests check the tables, the limit check and the fallback on the CPU.
 """
 
@@ -18,13 +24,30 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-STEP = 256  # K per pipeline step (the kernel's STEP)
-AROW = 512 + 64  # bytes per token row of a stage's activations (the kernel's AROW)
-XREC = 32  # bytes of one token's group sums a step (the kernel's XREC)
+STEP = 256  # K per pipeline step
+AROW = 512 + 64  # bytes a token's row of a stage's activations: one step of bf16, padded (no bank conflicts)
+XREC = 32  # bytes of one token's group sums a step: 8 x (hi, lo) bf16
+STRIP_WEIGHTS = 16 * 8 * 16  # bytes of one 16-row strip's weights a step: 16 rows x 8 group chunks of 16 bytes
+STRIP_SCALES = 16 * 16  # bytes of one strip's scales a step: 16 rows x 8 bf16
 REG_UNIT = 256  # registers are allocated to a warp in units of this many
 DEFAULT = "default"  # the table of an arch with none of its own
 
 _NAME = re.compile(r"nt(\d+)_w(\d+)_r(\d+)_s(\d+)_h(\d+)_a(\d+)_sc([01])")
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """One K step of a ring stage in shared memory, in the kernel's order: weights, scales,
+    activations, group sums (bytes each)."""
+
+    weights: int
+    scales: int
+    activations: int
+    sums: int
+
+    @property
+    def bytes(self) -> int:
+        return self.weights + self.scales + self.activations + self.sums
 
 
 @dataclass(frozen=True)
@@ -72,13 +95,18 @@ class PassConfig:
     def splits(self, k: int) -> int:
         return k // min(self.k_chunk, k)
 
-    def smem_bytes(self, k: int) -> int:
-        """Dynamic shared memory on K = k: (weights + scales + activations + group sums) of one K step,
-        times the ring stages a CTA's steps can fill (one tile of one step needs one: more CTAs fit an SM)."""
+    @property
+    def layout(self) -> StageLayout:
+        """One K step of a stage: every strip's weights and scales, the stage's tokens' activations and
+        group sums (the group sums' room is kept by the SC kernels too, which leave it unread)."""
         strips = self.warps * self.strips
-        sub = strips * 16 * 8 * 16 + strips * 16 * 16 + self.tokens * (AROW + XREC)
+        return StageLayout(strips * STRIP_WEIGHTS, strips * STRIP_SCALES, self.tokens * AROW, self.tokens * XREC)
+
+    def smem_bytes(self, k: int) -> int:
+        """Dynamic shared memory on K = k: a stage (`steps` K steps of `layout`) times the ring stages
+        a CTA's steps can fill (one tile of one step needs one: more CTAs fit an SM)."""
         steps = self.span * (min(self.k_chunk, k) // (STEP * self.steps))
-        return min(self.stages, steps) * self.steps * sub
+        return min(self.stages, steps) * self.steps * self.layout.bytes
 
     def tiles(self, n: int, k: int) -> bool:
         """Whether it runs on an [n, k] weight: whole spans of row tiles, whole stages and splits of K."""
@@ -134,14 +162,28 @@ H200: Table = {
 # against its own limits like every other.
 CUDA_CONFIGS: dict[str, Table] = {"sm_90": H200, DEFAULT: H200}
 
-# The kernels moe_w4a16.cu instantiates: exactly those the tables pick (a test reads the source).
+# The kernels the shipped build of moe_w4a16.cu instantiates (cuda_prelude): exactly those the tables pick.
 KERNELS = frozenset(p.kernel for table in CUDA_CONFIGS.values() for cls in table.values()
                     for b in cls.values() for p in (b.gate_up, b.down))
-# The further candidates of the config sweep (engine/moe_sweep.py), which only a build with MOE_SWEEP
-# defined instantiates (moe_w4a16.cu's end; a test reads the source): 8-warp tiles, a third ring
-# stage and 64-slot blocks for the large M.
+# The further candidates of the config sweep (engine/moe_sweep.py), which only the sweep's build
+# instantiates: 8-warp tiles, a third ring stage and 64-slot blocks for the large M.
 SWEEP_KERNELS = ("nt4_w8_r2_s2_h1_a32_sc1", "nt4_w8_r1_s2_h1_a32_sc1", "nt4_w4_r2_s3_h1_a32_sc1",
                  "nt8_w4_r2_s2_h1_a64_sc1", "nt8_w8_r1_s2_h1_a64_sc1", "nt2_w8_r2_s2_h1_a16_sc1")
+
+
+def cuda_prelude(kernels: set[str] | frozenset[str]) -> str:
+    """What moe_w4a16.cu is built with: the layout's constants and one MOE_KERNEL line a kernel of
+    `kernels` (names as `PassConfig.kernel`), its instantiation parameters then its stage layout."""
+    lines = [f"#define MOE_STEP {STEP}", f"#define MOE_AROW {AROW}", f"#define MOE_XREC {XREC}",
+             f"#define MOE_STRIP_WEIGHTS {STRIP_WEIGHTS}", f"#define MOE_STRIP_SCALES {STRIP_SCALES}",
+             "#define MOE_KERNELS \\"]
+    configs = sorted((PassConfig.of(k.removeprefix("moe_w4a16_"), 1, STEP) for k in kernels),
+                     key=lambda p: (p.nt, p.warps, p.strips, p.stages, p.steps, p.tokens, p.scaled))
+    for p in configs:
+        lay = p.layout
+        lines.append(f"  MOE_KERNEL({p.nt}, {p.warps}, {p.strips}, {p.stages}, {p.steps}, {p.tokens}, {int(p.scaled)}, "
+                     f"{lay.weights}, {lay.scales}, {lay.activations}, {lay.sums}) \\")
+    return "\n".join(lines) + "\n\n"
 
 
 def table_for(arch: str) -> tuple[str, Table]:

@@ -30,8 +30,8 @@ import triton
 from torch import Tensor
 
 from kernels import cuda_build
-from kernels.moe_configs import (KERNELS, Bucket, Choice, DeviceLimits, KernelResources, PassConfig, bucket_of, choose,
-                                 misfit, table_for)
+from kernels.moe_configs import (KERNELS, SWEEP_KERNELS, Bucket, Choice, DeviceLimits, KernelResources, PassConfig,
+                                 bucket_of, choose, cuda_prelude, misfit, table_for)
 from kernels.moe_gemm import shape_class
 
 SOURCE = "moe_w4a16.cu"
@@ -39,9 +39,9 @@ MAX_EXPERTS = 1024  # moe_align's one-CTA table
 # Lowers the shared memory a block may use below the driver's opt-in (bytes): runs a smaller
 # device's configs here, e.g. sm_120's 101,376 on an H200. It can only lower the limit.
 SMEM_LIMIT_ENV = "KDBENCH_CUDA_SMEM_LIMIT"
-# The build with the sweep's extra candidate kernels (moe_w4a16.cu's end): a config naming a kernel
-# outside the tables' KERNELS runs from it (engine/moe_sweep.py's candidates).
-SWEEP_DEFINE = "MOE_SWEEP"
+# The build with the sweep's candidate kernels too: a config naming a kernel outside the tables' KERNELS
+# runs from it (engine/moe_sweep.py's candidates).
+SWEEP_BUILD = KERNELS | {f"moe_w4a16_{k}" for k in SWEEP_KERNELS}
 
 
 @cache
@@ -91,7 +91,7 @@ def bucket_records(device: torch.device, inter: int, hidden: int) -> list[dict[s
 @cache
 def _unavailable(index: int) -> str | None:
     try:
-        cuda_build.module(SOURCE, torch.device("cuda", index))
+        _module(torch.device("cuda", index))
     except cuda_build.CudaUnavailable as e:
         return str(e)
     return None
@@ -152,8 +152,9 @@ def _cuda(device: torch.device) -> torch.device:
 
 
 def _module(device: torch.device, sweep: bool = False) -> cuda_build.Module:
-    """The shipped build of moe_w4a16.cu on `device`, or (`sweep`) the one with the sweep's candidates too."""
-    return cuda_build.module(SOURCE, _cuda(device), (SWEEP_DEFINE,) if sweep else ())
+    """The shipped build of moe_w4a16.cu on `device` (the tables' kernels), or (`sweep`) the one with the
+    sweep's candidates too; each with the stage layout of kernels/moe_configs.py."""
+    return cuda_build.module(SOURCE, _cuda(device), cuda_prelude(SWEEP_BUILD if sweep else KERNELS))
 
 
 # Base pointers of a call, in the order _Call's argument slots name them (0: no base, a plain value)

@@ -20,6 +20,8 @@ experts, or one TP rank's shard). No atomics: outputs are bit-identical run to r
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -167,7 +169,24 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
 #   pair-packed PTX (two K-adjacent words a call, each plane straight into the bf16x2 register of
 #   the MMA operand) against plane-major activations (_plane_major: each plane a contiguous run, so
 #   the pipeliner copies them asynchronously). Runs 11-13 of NOTES.md call it DOT 49.
-SplitConfig = tuple[int, int, int, int, int, int, int]
+class SplitConfig(NamedTuple):
+    """One pass's config (the fields as the comment above names them), read by name."""
+
+    bm: int
+    bn: int
+    bk: int
+    ks: int
+    warps: int
+    stages: int
+    dot: int
+
+    @property
+    def tensor_cores(self) -> bool:
+        """DOT 1 (plane dots on the tensor cores) rather than an FMA GEMV."""
+        return bool(self.dot & 3)
+
+
+_C = SplitConfig  # keeps the tables below one line a bucket
 SPLIT_MAX_SLOTS = 32  # M * top-k up to this goes split-K (M <= 4 at K2's top-8)
 SHARD_INTER = 1024  # experts with a smaller intermediate (K2 at TP >= 2) take the "shard" tables
 
@@ -181,10 +200,10 @@ def shape_class(inter: int) -> str:
 # H200 sweeps (NOTES.md, runs 4, 6-8, 11-13): packed bf16x2 FMAs (+ the next step's loads in flight at
 # M = 1); at the shard, short K chunks (KS 1024: 7 gate_up splits) so that M = 1 has enough programs.
 SPLIT_CONFIGS: dict[str, dict[int, dict[str, SplitConfig]]] = {
-    "full": {1: {"gate_up": (1, 64, 256, 7168, 4, 3, 12), "down": (1, 64, 256, 7168, 4, 3, 12)},
-             4: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)}},
-    "shard": {2: {"gate_up": (1, 64, 256, 1024, 4, 3, 12), "down": (1, 64, 256, 1024, 4, 3, 12)},
-              4: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)}},
+    "full": {1: {"gate_up": _C(1, 64, 256, 7168, 4, 3, 12), "down": _C(1, 64, 256, 7168, 4, 3, 12)},
+             4: {"gate_up": _C(1, 64, 256, 3584, 4, 3, 8), "down": _C(1, 64, 256, 3584, 4, 3, 8)}},
+    "shard": {2: {"gate_up": _C(1, 64, 256, 1024, 4, 3, 12), "down": _C(1, 64, 256, 1024, 4, 3, 12)},
+              4: {"gate_up": _C(1, 64, 256, 3584, 4, 3, 8), "down": _C(1, 64, 256, 3584, 4, 3, 8)}},
 }
 
 
@@ -202,13 +221,13 @@ def split_config(m: int, inter: int) -> dict[str, SplitConfig]:
 # 11-13): the packed FMA up to M = 32; above, the plane dots on tensor cores (DOT 1: plane-major
 # activations, pair-packed dequant; KS = all of K), BM 32 once most experts hold > 16 slots.
 GROUPED_CONFIGS: dict[str, dict[int, dict[str, SplitConfig]]] = {
-    "full": {32: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)},
-             256: {"gate_up": (16, 64, 256, 7168, 4, 3, 1), "down": (16, 64, 256, 7168, 4, 3, 1)},
-             512: {"gate_up": (16, 64, 256, 7168, 2, 3, 1), "down": (16, 64, 256, 7168, 2, 3, 1)},
-             1024: {"gate_up": (32, 128, 128, 7168, 4, 3, 1), "down": (32, 128, 128, 7168, 4, 3, 1)}},
-    "shard": {32: {"gate_up": (1, 64, 256, 3584, 4, 3, 8), "down": (1, 64, 256, 3584, 4, 3, 8)},
-              512: {"gate_up": (16, 64, 256, 7168, 4, 3, 1), "down": (16, 64, 256, 7168, 4, 3, 1)},
-              1024: {"gate_up": (32, 64, 256, 7168, 4, 3, 1), "down": (32, 64, 256, 7168, 4, 3, 1)}},
+    "full": {32: {"gate_up": _C(1, 64, 256, 3584, 4, 3, 8), "down": _C(1, 64, 256, 3584, 4, 3, 8)},
+             256: {"gate_up": _C(16, 64, 256, 7168, 4, 3, 1), "down": _C(16, 64, 256, 7168, 4, 3, 1)},
+             512: {"gate_up": _C(16, 64, 256, 7168, 2, 3, 1), "down": _C(16, 64, 256, 7168, 2, 3, 1)},
+             1024: {"gate_up": _C(32, 128, 128, 7168, 4, 3, 1), "down": _C(32, 128, 128, 7168, 4, 3, 1)}},
+    "shard": {32: {"gate_up": _C(1, 64, 256, 3584, 4, 3, 8), "down": _C(1, 64, 256, 3584, 4, 3, 8)},
+              512: {"gate_up": _C(16, 64, 256, 7168, 4, 3, 1), "down": _C(16, 64, 256, 7168, 4, 3, 1)},
+              1024: {"gate_up": _C(32, 64, 256, 7168, 4, 3, 1), "down": _C(32, 64, 256, 7168, 4, 3, 1)}},
 }
 
 
@@ -434,7 +453,7 @@ def _plan(cfg: SplitConfig, n: int, k: int, on_gpu: bool, bf16_gpu: bool) -> Spl
         dot -= 8  # the packed bf16x2 FMA is bf16 and PTX only
     if n % bn or k % ks or ks % bk or bk % 32:
         raise ValueError(f"moe_w4a16: N={n}, K={k} do not tile by BN={bn}, KS={ks}, BK={bk}")
-    return bm, bn, bk, ks, warps, stages, dot
+    return SplitConfig(bm, bn, bk, ks, warps, stages, dot)
 
 
 def _plane_major(a: Tensor, bk: int) -> Tensor:
@@ -481,17 +500,17 @@ def _moe_split(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tens
     gu_plan = _plan(cfg["gate_up"], 2 * inter, h, x.is_cuda, bf16 and x.is_cuda)
     dn_plan = _plan(cfg["down"], h, inter, x.is_cuda, bf16 and x.is_cuda)
     e = w13_q.shape[0]
-    gu_al = align(topk_ids, e, gu_plan[0]) if aligned else None
-    dn_al = (gu_al if dn_plan[0] == gu_plan[0] else align(topk_ids, e, dn_plan[0])) if aligned else None
-    a = _plane_major(x, gu_plan[2]) if gu_plan[6] & 3 else _permute(x, gu_plan[2])
+    gu_al = align(topk_ids, e, gu_plan.bm) if aligned else None
+    dn_al = (gu_al if dn_plan.bm == gu_plan.bm else align(topk_ids, e, dn_plan.bm)) if aligned else None
+    a = _plane_major(x, gu_plan.bk) if gu_plan.tensor_cores else _permute(x, gu_plan.bk)
     gu = _split_launch(a, ids, w13_q, w13_s, tw, 2 * inter, h, topk, False, gu_plan, bf16, gu_al)
     hbuf = torch.empty(s, inter, dtype=x.dtype, device=x.device)
     block = 1024
     _silu_mul[(triton.cdiv(s * inter, block),)](gu, hbuf, s, inter, SPLITS=gu.shape[0],
-                                               PERM=0 if dn_plan[6] & 3 else dn_plan[2],
-                                               PLANES=dn_plan[2] if dn_plan[6] & 3 else 0,
+                                               PERM=0 if dn_plan.tensor_cores else dn_plan.bk,
+                                               PLANES=dn_plan.bk if dn_plan.tensor_cores else 0,
                                                BLOCK=block)
-    a = hbuf if dn_plan[6] & 3 else hbuf.view(torch.int32)
+    a = hbuf if dn_plan.tensor_cores else hbuf.view(torch.int32)
     dn = _split_launch(a, ids, w2_q, w2_s, tw, h, inter, 1, True, dn_plan, bf16, dn_al)
     out = torch.empty(m, h, dtype=x.dtype, device=x.device)
     _sum_slots[(triton.cdiv(m * h, block),)](dn, out, m, s, h, TOPK=topk, SPLITS=dn.shape[0], BLOCK=block)

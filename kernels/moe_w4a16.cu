@@ -38,9 +38,21 @@
 
 namespace {
 
-constexpr int STEP = 256;       // K per pipeline step
-constexpr int AROW = 512 + 64;  // bytes per token row of a stage's activations (padded: no bank conflicts)
-constexpr int XREC = 32;        // bytes of one token's group sums a step: 8 x (hi, lo) bf16
+// The shared-memory layout is the host's (kernels/moe_configs.py: StageLayout, the bytes it allocates):
+// kernels/moe_cuda.py builds this file after a prelude (cuda_prelude) defining its units below and
+// MOE_KERNELS, one MOE_KERNEL line a kernel with its stage's byte counts.
+#if !defined(MOE_STEP) || !defined(MOE_AROW) || !defined(MOE_XREC) || !defined(MOE_STRIP_WEIGHTS) || \
+    !defined(MOE_STRIP_SCALES) || !defined(MOE_KERNELS)
+#error "moe_w4a16.cu is built through kernels/moe_cuda.py, whose prelude gives its layout"
+#endif
+constexpr int STEP = MOE_STEP;  // K per pipeline step
+constexpr int AROW = MOE_AROW;  // bytes per token row of a stage's activations (padded: no bank conflicts)
+constexpr int XREC = MOE_XREC;  // bytes of one token's group sums a step: 8 x (hi, lo) bf16
+constexpr int STRIP_W = MOE_STRIP_WEIGHTS;  // bytes of one strip's weights a step
+constexpr int STRIP_S = MOE_STRIP_SCALES;   // bytes of one strip's scales a step
+static_assert(STEP == 256 && STRIP_W == 16 * 8 * 16 && STRIP_S == 16 * 16 && XREC == 8 * 4 && AROW >= 2 * STEP,
+              "the addressing below reads a K step as 8 groups of 32, a strip as 16 rows x 8 16-byte "
+              "chunks with its 16 x 8 bf16 scales, and a token's sums as 8 (hi, lo) pairs");
 
 // Programmatic dependent launch (no-ops when the launch did not ask for it, or before sm_90).
 __device__ __forceinline__ void grid_wait() {
@@ -105,21 +117,22 @@ __device__ __forceinline__ uint16_t bf16_rn(float f) {
 }
 
 // Shared-memory stage: H sub-steps of one K step each, a sub-step = weights [STRIPS][16 rows][8
-// group chunks, swizzled by row % 8] uint4, scales [STRIPS][16 rows][8] bf16, activations
-// [TA][AROW bytes] (natural order), group sums [TA][XREC bytes] (unread by SC). H > 1 asks for H * 128
-// contiguous bytes of each weight row at once (fewer DRAM page openings per byte).
-template <int NT, int WARPS, int R, int H, int TA>
+// group chunks, swizzled by row % 8] uint4 (W bytes), scales [STRIPS][16 rows][8] bf16 (S),
+// activations [TA][AROW bytes] (natural order, A), group sums [TA][XREC bytes] (X; unread by SC), the
+// byte counts the host gives (StageLayout). H > 1 asks for H * 128 contiguous bytes of each weight row
+// at once (fewer DRAM page openings per byte).
+template <int NT, int WARPS, int R, int H, int TA, int W, int S, int A, int X>
 struct Stage {
   static constexpr int TN = 8 * NT, STRIPS = WARPS * R;
   static_assert(TA >= 1 && TA <= TN, "activation rows held: 1 .. 8 NT");
-  static constexpr int W_BYTES = STRIPS * 16 * 8 * 16;
-  static constexpr int S_BYTES = STRIPS * 16 * 16;
-  static constexpr int A_BYTES = TA * AROW;
-  static constexpr int SUB = W_BYTES + S_BYTES + A_BYTES + TA * XREC;
+  static_assert(W == STRIPS * STRIP_W && S == STRIPS * STRIP_S && A == TA * AROW && X == TA * XREC,
+                "the host's stage layout holds the strips and tokens this kernel addresses");
+  static constexpr int W_BYTES = W, S_BYTES = S, A_BYTES = A;
+  static constexpr int SUB = W + S + A + X;
   static constexpr int BYTES = H * SUB;
 };
 
-template <int NT, int WARPS, int R, int STAGES, int H, int TA, bool SC>
+template <int NT, int WARPS, int R, int STAGES, int H, int TA, bool SC, typename St>
 __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const uint16_t* __restrict__ xs,
                                          const uint32_t* __restrict__ wq, const uint16_t* __restrict__ ws,
                                          void* __restrict__ part, const float* __restrict__ tw,
@@ -127,7 +140,6 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
                                          const int* __restrict__ cnt, const int* __restrict__ bexp,
                                          const int* __restrict__ bms, int S, int N, int K, int KS, int span,
                                          int a_rows_per_slot, int E, int weighted, int early) {
-  using St = Stage<NT, WARPS, R, H, TA>;
   constexpr int TN = St::TN;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int slot_of[TN];
@@ -169,7 +181,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
   const uint16_t* asrc[ACH];
   uint32_t adst[ACH];
   const uint32_t sm0 = smem_addr(smem);
-  auto strip_smem = [&](int r) { return sm0 + (warp * R + r) * (16 * 8 * 16); };  // strip r's weight tile
+  auto strip_smem = [&](int r) { return sm0 + (warp * R + r) * STRIP_W; };  // strip r's weight tile
   // Weights: lane i copies group chunk i % 8 of rows 4 q + i / 8 (q = 0..3), so each copy
   // instruction reads four whole 128-byte lines (half lines, two instructions a line, fetched
   // slower: kernels/NOTES.md v11). Quad q's chunk lands 512 q bytes into the strip's tile, at an
@@ -312,7 +324,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
 #pragma unroll
           for (int j = 0; j < 4; ++j) w[r][q >> 1][(q & 1) * 4 + j] = v[j];
         }
-        const unsigned char* srow = ssm + (warp * R + r) * 256 + g * 16;
+        const unsigned char* srow = ssm + (warp * R + r) * STRIP_S + g * 16;
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const uint4 q = *reinterpret_cast<const uint4*>(srow + hr * 128);
@@ -555,38 +567,17 @@ extern "C" __global__ void __launch_bounds__(1024)
   }
 }
 
-#define MOE_KERNEL(NT, WARPS, R, STAGES, H, TA, SC)                                                          \
+#define MOE_KERNEL(NT, WARPS, R, STAGES, H, TA, SC, W, S, A, X)                                             \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                   \
       moe_w4a16_nt##NT##_w##WARPS##_r##R##_s##STAGES##_h##H##_a##TA##_sc##SC(                               \
       const uint16_t* a, const uint16_t* xs, const uint32_t* wq, const uint16_t* ws, void* part,          \
       const float* tw, const int* slots, const int* seg, const int* cnt, const int* bexp, const int* bms,  \
-      int S, int N, int K, int KS, int span, int a_rows_per_slot, int E, int weighted, int early) {        \
-    moe_gemm<NT, WARPS, R, STAGES, H, TA, SC>(a, xs, wq, ws, part, tw, slots, seg, cnt, bexp, bms, S, N, K, KS, \
-                                          span, a_rows_per_slot, E, weighted, early);                      \
+      int S_, int N, int K, int KS, int span, int a_rows_per_slot, int E, int weighted, int early) {       \
+    moe_gemm<NT, WARPS, R, STAGES, H, TA, SC, Stage<NT, WARPS, R, H, TA, W, S, A, X>>(                      \
+        a, xs, wq, ws, part, tw, slots, seg, cnt, bexp, bms, S_, N, K, KS, span, a_rows_per_slot, E, weighted, \
+        early);                                                                                             \
   }
 
-// The kernels kernels/moe_configs.py's tables may pick (KERNELS there lists the same names).
-MOE_KERNEL(1, 4, 1, 2, 2, 1, 0)
-MOE_KERNEL(1, 4, 1, 2, 2, 2, 0)
-MOE_KERNEL(1, 4, 1, 2, 2, 4, 0)
-MOE_KERNEL(1, 4, 1, 2, 2, 8, 0)
-MOE_KERNEL(1, 4, 1, 3, 2, 8, 0)
-MOE_KERNEL(1, 4, 1, 4, 1, 1, 0)
-MOE_KERNEL(1, 4, 1, 4, 1, 8, 0)
-MOE_KERNEL(1, 4, 2, 2, 1, 8, 1)
-MOE_KERNEL(1, 4, 2, 3, 1, 8, 0)
-MOE_KERNEL(2, 4, 2, 2, 1, 16, 1)
-MOE_KERNEL(2, 4, 4, 2, 1, 16, 0)
-MOE_KERNEL(4, 4, 2, 2, 1, 32, 1)
-MOE_KERNEL(4, 4, 4, 2, 1, 32, 1)
-
-// Candidates only the config sweep (engine/moe_sweep.py) builds, with MOE_SWEEP defined: a config
-// of the tables names a kernel above this line.
-#ifdef MOE_SWEEP
-MOE_KERNEL(4, 8, 2, 2, 1, 32, 1)
-MOE_KERNEL(4, 8, 1, 2, 1, 32, 1)
-MOE_KERNEL(4, 4, 2, 3, 1, 32, 1)
-MOE_KERNEL(8, 4, 2, 2, 1, 64, 1)
-MOE_KERNEL(8, 8, 1, 2, 1, 64, 1)
-MOE_KERNEL(2, 8, 2, 2, 1, 16, 1)
-#endif
+// The kernels the host asks for, each with its stage layout (kernels/moe_configs.py's cuda_prelude:
+// the tables' picks, and in the config sweep's build its candidates too).
+MOE_KERNELS

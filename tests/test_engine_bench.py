@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine import bench_kernels, comm_model, costs, schema
+from engine.rows import CommRow
 from flows import REPO
 
 
@@ -190,7 +191,7 @@ def test_a_saved_point_is_announced_when_sigterm_arrives_while_it_is_written(tmp
 
     monkeypatch.setattr(schema, "write_table", write_then_signal)
     with pytest.raises(results.Terminated):
-        w.add({"op": "all_reduce", "world_size": 2, "bytes": 1024, "status": "ok"})
+        w.add(CommRow(op="all_reduce", world_size=2, bytes=1024, status="ok"))
     assert [(e["event"], e["i"]) for e in _events(capsys.readouterr().out)] == [("point", 1)]
     assert schema.read_table(tmp_path / "comm.arrow").num_rows == 1
 
@@ -250,9 +251,9 @@ def test_moe_shard_rows_carry_tp_and_the_shard_bytes():
 
     kb = KernelBench(PROFILES[("cpu", "smoke")], torch.device("cpu"))
     full, shard = kb.moe(4, "auto"), kb.moe(4, "auto", tp=2)
-    assert (full["tp"], shard["tp"]) == (1, 2)
-    assert shard["N"] * 2 == full["N"] and shard["K"] == full["K"]
-    assert shard["bytes"] < full["bytes"]
+    assert (full.tp, shard.tp) == (1, 2)
+    assert shard.N * 2 == full.N and shard.K == full.K
+    assert shard.bytes < full.bytes
     assert PROFILES[("cuda", "full")].moe_tp_m == PROFILES[("cuda", "full")].moe_m  # M = 1..1024 at tp 8
     assert schema.SCHEMAS["kernels"].field("tp").nullable
 
@@ -268,8 +269,8 @@ def test_mla_shard_rows_carry_tp_and_cover_the_flashmla_grid():
 
     kb = KernelBench(PROFILES[("cpu", "smoke")], torch.device("cpu"))
     full, shard = kb.attention(1, 16, 128, "auto"), kb.attention(1, 16, 128, "auto", tp=2)
-    assert (full["tp"], shard["tp"], full["N"], shard["N"]) == (1, 2, 4, 2)
-    assert shard["flops"] * 2 == full["flops"] and shard["bytes"] < full["bytes"]
+    assert (full.tp, shard.tp, full.N, shard.N) == (1, 2, 4, 2)
+    assert shard.flops * 2 == full.flops and shard.bytes < full.bytes
     p = PROFILES[("cuda", "full")]
     grid = {(b, n, c) for b in (1, 8, 16) for n in (16, 64, 256) for c in (4096, 16384, 32768, 65536)}
     for pts in (p.attn, p.attn_tp):

@@ -13,6 +13,7 @@ import torch
 
 from engine import bench, preflight_longctx
 from engine.bench_e2e import PROFILES, ContextAxis, E2EBench, predict_seconds
+from engine.rows import E2ERow
 
 CPU = torch.device("cpu")
 
@@ -23,31 +24,31 @@ def _bench(axis: ContextAxis, memory_limit: int | None = None) -> E2EBench:
     return E2EBench(prof, CPU, memory_limit=memory_limit)
 
 
-def _context_rows(eb: E2EBench) -> list[dict]:
+def _context_rows(eb: E2EBench) -> list[E2ERow]:
     return [fn() for label, fn in eb.points() if "context=" in label]
 
 
 def test_a_point_that_does_not_fit_is_recorded_as_skipped_with_the_bytes_it_needed() -> None:
     axis = ContextAxis(((32, (1,)), (256, (1,))), tp=1, max_new=8)
     free = _context_rows(_bench(axis))
-    assert [(r["context"], r["status"]) for r in free] == [(32, "ok"), (256, "ok")]
-    small, large = (r["memory_bytes"] for r in free)
+    assert [(r.context, r.status) for r in free] == [(32, "ok"), (256, "ok")]
+    small, large = (r.memory_bytes for r in free)
     assert 0 < small < large
     limited = _context_rows(_bench(axis, memory_limit=round((small + large) / 2)))
-    assert [r["status"] for r in limited] == ["ok", "skipped"]
+    assert [r.status for r in limited] == ["ok", "skipped"]
     skipped = limited[1]
-    assert skipped["memory_bytes"] == large and skipped["context"] == 256 and skipped["concurrency"] == 1
-    assert skipped["skip_reason"].startswith("needs ") and "latent cache" in skipped["skip_reason"]
-    assert skipped.get("tokens_per_s") is None and skipped.get("ttft_ms") is None  # no figure is made up
-    assert limited[0]["tokens_per_s"] > 0 and limited[0]["ttft_ms"] > 0
+    assert skipped.memory_bytes == large and skipped.context == 256 and skipped.concurrency == 1
+    assert skipped.skip_reason.startswith("needs ") and "latent cache" in skipped.skip_reason
+    assert skipped.tokens_per_s is None and skipped.ttft_ms is None  # no figure is made up
+    assert limited[0].tokens_per_s > 0 and limited[0].ttft_ms > 0
 
 
 def test_a_point_predicted_past_the_axis_time_budget_is_skipped_after_three_measured() -> None:
     axis = ContextAxis(((8, (1,)), (16, (1,)), (24, (1,)), (32, (1,))), tp=1, max_new=8, seconds=0.0)
     rows = _context_rows(_bench(axis))
-    assert [(r["context"], r["status"]) for r in rows] == [(8, "ok"), (16, "ok"), (24, "ok"), (32, "skipped")]
-    assert "predicted to take" in rows[3]["skip_reason"] and "3 measured context points" in rows[3]["skip_reason"]
-    assert rows[3]["memory_bytes"] > 0
+    assert [(r.context, r.status) for r in rows] == [(8, "ok"), (16, "ok"), (24, "ok"), (32, "skipped")]
+    assert "predicted to take" in rows[3].skip_reason and "3 measured context points" in rows[3].skip_reason
+    assert rows[3].memory_bytes > 0
 
 
 def test_context_points_run_from_the_least_attention_work_to_the_most() -> None:

@@ -199,7 +199,7 @@ def test_a_point_whose_target_leaves_the_planted_chain_fails_loudly():
     from engine.bench_e2e import PROFILES, E2EBench
 
     eb = E2EBench(PROFILES[("cpu", "smoke")], CPU)
-    assert eb.point(1, 3, 0.8, 1, 16)["accept_len_mean"] > 2
+    assert eb.point(1, 3, 0.8, 1, 16).accept_len_mean > 2
     model = eb._decoder(1, 3).model
     model.successor = model.successor.roll(1)  # the hints now name other tokens than the target picks
     with pytest.raises(RuntimeError, match="planted successor at 0%"):

@@ -156,3 +156,45 @@ def test_synthetic_int4_codes_average_zero() -> None:
     q, _ = Init(0, torch.device("cpu"), torch.float32).int4(40, 64, 256)
     codes = unpack_w4(q).float()
     assert codes.min() >= -7 and abs(codes.mean()) < 0.02
+
+
+def test_typed_rows_are_the_schema_columns_and_refuse_any_other() -> None:
+    """engine.rows: one row class a table, generated from engine.schema (the same columns, each at the
+    default a file without it means); an unknown column is an error where the row is made; each kernel
+    family's shape lands in the stored columns it always used; the states are the schema's."""
+    from dataclasses import fields
+
+    from engine import rows, schema
+
+    for table, cls in rows.ROWS.items():
+        assert [f.name for f in fields(cls)] == schema.SCHEMAS[table].names
+        defaults = schema.column_defaults(table)
+        assert {f.name: f.default for f in fields(cls) if f.default is not None} == \
+            {k: v for k, v in defaults.items() if v is not None}
+    with pytest.raises(TypeError, match="time_us"):
+        rows.KernelRow(kernel="moe_w4a16", time_us=1.0)
+    assert rows.E2ERow().status == "ok" and rows.KernelRow().tp == 1
+    assert rows.MoeShape(4, 256, 128, 16, 4).columns() == {"M": 4, "N": 256, "K": 128, "E": 16, "top_k": 4}
+    assert rows.MlaShape(2, 16, 1024, 8, 576).columns() == {"batch": 2, "budget": 16, "context": 1024, "N": 8, "K": 576}
+    assert rows.TreeShape(1, 64, 16, 8).columns() == {"batch": 1, "budget": 64, "N": 16, "K": 8}
+    assert rows.DenseShape("o", 4, 7168, 1024, 1).columns() == {"op": "o", "M": 4, "N": 7168, "K": 1024, "batch": 1}
+    for shape in (rows.MoeShape, rows.MlaShape, rows.TreeShape, rows.AcceptShape, rows.DenseShape):
+        assert set(shape.COLUMNS.values()) <= set(schema.SCHEMAS["kernels"].names)
+    assert schema.STATES["runs"]["status"] == tuple(schema.RunStatus) == ("complete", "partial", "skipped")
+    assert schema.STATES["e2e"]["status"] == schema.STATES["comm"]["status"] == tuple(schema.PointStatus)
+    table = schema.to_table("e2e", [rows.E2ERow(run_id="r", config="k2", device="cpu", concurrency=1, budget=16,
+                                                source="measured", status=schema.PointStatus.SKIPPED)], {"run_id": "r"})
+    assert table.column("status").to_pylist() == ["skipped"] and table.column("tp").to_pylist() == [1]
+
+
+def test_a_suite_writer_takes_its_tables_rows_only(tmp_path) -> None:  # noqa: ANN001
+    from engine import results
+    from engine.rows import CommRow, KernelRow
+
+    w = results.SuiteWriter(tmp_path, "comm", "smoke", {"run_id": "r", "host": "h"}, 1)
+    with pytest.raises(TypeError, match="CommRow"):
+        w.add({"op": "all_reduce", "world_size": 2, "bytes": 1, "status": "ok"})
+    with pytest.raises(TypeError, match="CommRow"):
+        w.add(KernelRow(kernel="moe_w4a16"))
+    w.add(CommRow(op="all_reduce", world_size=2, bytes=1, status="ok"))
+    assert w.rows[0].run_id == "r" and w.rows[0].source == "measured"

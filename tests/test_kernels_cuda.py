@@ -72,24 +72,27 @@ def test_cubin_is_cached_by_content(no_nvcc: None, monkeypatch: pytest.MonkeyPat
     other = cuda_build.compile_cubin(SOURCE, "sm_120")
     assert first == again != other and first.read_text() == "cubin\n"
     assert log.read_text().count("run") == 2, "the second sm_90 build came from the cache"
-    assert cuda_build.compile_cubin(SOURCE, "sm_90", ("MOE_SWEEP",)) not in (first, other), "macros, another cubin"
+    assert cuda_build.compile_cubin(SOURCE, "sm_90", "#define X 1\n") not in (first, other), "another prelude, another cubin"
     src = tmp_path / "moe_w4a16.cu"
     src.write_text(SOURCE.read_text() + "\n// changed\n")
     assert cuda_build.compile_cubin(src, "sm_90") != first, "changed source, new cubin"
 
 
-def _cu_kernels(sweep: bool = False) -> set[str]:
-    """The kernel names moe_w4a16.cu instantiates (its MOE_KERNEL lines): the shipped ones, or (`sweep`)
-    those only a build with MOE_SWEEP defined has."""
-    shipped, extra = SOURCE.read_text().split("#ifdef MOE_SWEEP\n")
-    return {"moe_w4a16_nt{}_w{}_r{}_s{}_h{}_a{}_sc{}".format(*m.groups())
-            for m in re.finditer(r"^MOE_KERNEL\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01])\)",
-                                 extra if sweep else shipped, re.M)}
+def _prelude_kernels(kernels: frozenset[str]) -> dict[str, tuple[int, ...]]:
+    """Kernel name -> the stage layout (weights, scales, activations, sums) of each MOE_KERNEL line the
+    build's prelude (kernels/moe_configs.py: cuda_prelude) gives moe_w4a16.cu."""
+    lines = re.finditer(r"MOE_KERNEL\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ([01]), (\d+), (\d+), (\d+), (\d+)\)",
+                        moe_configs.cuda_prelude(kernels))
+    return {"moe_w4a16_nt{}_w{}_r{}_s{}_h{}_a{}_sc{}".format(*m.groups()[:7]): tuple(map(int, m.groups()[7:]))
+            for m in lines}
 
 
 def test_config_table_names_instantiated_kernels_that_tile_k2() -> None:
-    assert _cu_kernels() == moe_configs.KERNELS
-    assert _cu_kernels(sweep=True) == {f"moe_w4a16_{k}" for k in moe_configs.SWEEP_KERNELS}
+    shipped = _prelude_kernels(moe_configs.KERNELS)
+    assert set(shipped) == moe_configs.KERNELS
+    assert set(_prelude_kernels(moe_cuda.SWEEP_BUILD)) - moe_configs.KERNELS == \
+        {f"moe_w4a16_{k}" for k in moe_configs.SWEEP_KERNELS}
+    assert "#define MOE_STEP 256" in moe_configs.cuda_prelude(moe_configs.KERNELS)
     for arch, table in moe_configs.CUDA_CONFIGS.items():
         for cls, buckets in table.items():
             inter, hidden = SHAPES[cls]
@@ -268,14 +271,20 @@ def test_real_nvcc_builds_every_listed_kernel(monkeypatch: pytest.MonkeyPatch, t
     except cuda_build.CudaUnavailable:
         pytest.skip("no nvcc on this machine")
     monkeypatch.setenv("KDBENCH_CUDA_CACHE", str(tmp_path))
-    image = cuda_build.compile_cubin(SOURCE, "sm_90").read_bytes()
+    image = cuda_build.compile_cubin(SOURCE, "sm_90", moe_configs.cuda_prelude(moe_configs.KERNELS)).read_bytes()
     for name in moe_configs.KERNELS:
         assert name.encode() in image
     assert b"moe_align" in image and b"moe_silu_prep" in image and b"moe_sum" in image
-    sweep = _cu_kernels(sweep=True)
-    assert sweep and not sweep & moe_configs.KERNELS and not any(n.encode() in image for n in sweep)
-    image = cuda_build.compile_cubin(SOURCE, "sm_90", (moe_cuda.SWEEP_DEFINE,)).read_bytes()
-    assert all(n.encode() in image for n in sweep | moe_configs.KERNELS), "the sweep build has both"
+    sweep = moe_cuda.SWEEP_BUILD - moe_configs.KERNELS
+    assert sweep and not any(n.encode() in image for n in sweep)
+    image = cuda_build.compile_cubin(SOURCE, "sm_90", moe_configs.cuda_prelude(moe_cuda.SWEEP_BUILD)).read_bytes()
+    assert all(n.encode() in image for n in moe_cuda.SWEEP_BUILD), "the sweep build has both"
+    with pytest.raises(cuda_build.CudaUnavailable, match="built through kernels/moe_cuda.py"):
+        cuda_build.compile_cubin(SOURCE, "sm_90")  # no prelude: no layout, no build
+    one = moe_configs.cuda_prelude(frozenset({"moe_w4a16_nt1_w4_r1_s2_h2_a8_sc0"}))
+    assert ", 8192, 1024, 4608, 256)" in one
+    with pytest.raises(cuda_build.CudaUnavailable, match=r"Stage<.*A=4096"):  # a layout its addressing cannot read
+        cuda_build.compile_cubin(SOURCE, "sm_90", one.replace(", 8192, 1024, 4608, 256)", ", 8192, 1024, 4096, 256)"))
 
 
 def test_a_one_step_chunk_asks_for_one_ring_stage() -> None:
@@ -434,3 +443,48 @@ def test_a_call_shape_is_laid_out_once_and_wires_each_pass_to_the_next(monkeypat
     ptr["x"] += 64
     call(tuple(ptr.values()))
     assert call.launches[0].args[10] == ptr["x"], "a call rewrites the base pointers"
+
+
+def test_the_sweep_picks_gate_up_then_down_from_checked_candidates() -> None:
+    """engine.moe_sweep's choice with a fake timer: the baseline first, each gate_up candidate beside the
+    baseline's down pass, then each down candidate beside the fastest of those gate_ups; a wrong result or
+    an error is recorded and never picked (however fast it claims to be), one that does not run here is
+    not tried; the picks come out as a table kernels/moe_configs.py reads back unchanged."""
+    from engine import moe_sweep
+
+    table = moe_configs.H200["full"]
+    base = table[32]
+    gu_fast, gu_wrong = table[256].gate_up, table[512].gate_up
+    dn_fast, dn_broken, dn_absent = table[64].down, table[1024].down, table[512].down
+    gu_us = {base.gate_up: 50.0, gu_fast: 30.0, gu_wrong: 1.0}
+    dn_us = {base.down: 40.0, dn_fast: 25.0, dn_broken: 2.0}
+    tried: list[tuple[str, moe_configs.Bucket, moe_sweep.Trial]] = []
+
+    def measure(cfg: moe_configs.Bucket) -> moe_sweep.Trial | None:
+        if cfg.down == dn_absent or cfg.gate_up not in gu_us or cfg.down not in dn_us:
+            return None
+        if cfg.gate_up == gu_wrong:
+            return moe_sweep.Trial(0.5, error="wrong result")
+        if cfg.down == dn_broken:
+            return moe_sweep.Trial(error="RuntimeError: launch failed")
+        return moe_sweep.Trial(3e-3, gu_us[cfg.gate_up] + dn_us[cfg.down])
+
+    best, us, base_us = moe_sweep.pick("full", 32, base, table, measure, lambda *t: tried.append(t))
+    assert best == moe_configs.Bucket(gu_fast, dn_fast) and (us, base_us) == (55.0, 90.0)
+    assert tried[0][:2] == ("baseline", base)
+    assert {c.down for w, c, _ in tried if w == "gate_up"} == {base.down}
+    assert {c.gate_up for w, c, _ in tried if w == "down"} == {gu_fast}
+    assert [t.error for w, c, t in tried if c.gate_up == gu_wrong] == ["wrong result"]
+    assert [w for w, c, _ in tried if c.down == dn_broken] == ["down"]
+    assert not any(c.down == dn_absent for _, c, _ in tried)
+    with pytest.raises(RuntimeError, match="full M = 32: the table's own pick failed"):
+        moe_sweep.pick("full", 32, base, table, lambda cfg: moe_sweep.Trial(error="x"), lambda *t: None)
+
+    picks = {"full": {32: best, 1024: table[1024]}, "shard": dict(moe_configs.H200["shard"])}
+    block = moe_sweep.table_block("sm_100", picks, "a test")
+    space = {"_b": moe_configs._b, "Table": moe_configs.Table}
+    exec(block, space)  # noqa: S102 - the block is this test's own output
+    assert space["SM100"] == picks and "CUDA_CONFIGS['sm_100'] = SM100" in block
+    assert "Sweep-only" not in block
+    swept = moe_configs.Bucket(moe_configs.PassConfig.of(moe_configs.SWEEP_KERNELS[0], 1, 7168), best.down)
+    assert moe_configs.SWEEP_KERNELS[0] in moe_sweep.table_block("sm_100", {"full": {1: swept}}, "a test")

@@ -56,7 +56,7 @@ def _check_moe(m: int, e: int, seed: int, configs: dict, path: str | None = None
     """Random K2-format weights (H 256, I 128, top-3), one Triton path run with every buffer it
     allocates poisoned, its fp16 output checked against the reference."""
     from kernels import moe_gemm, reference
-    from kernels.gpu_check import poisoned, unpoisoned
+    from engine.gpu_check import poisoned, unpoisoned
     from kernels.int4 import quantize_w4
 
     g = torch.Generator().manual_seed(seed)
@@ -142,14 +142,14 @@ def _tree_masks(bt: int, t: int, seed: int) -> torch.Tensor:
 
 
 def _run_mla(args: tuple, ctx: torch.Tensor, mask: torch.Tensor | None, **kw) -> torch.Tensor:
-    from kernels import mla_verify
-    from kernels.gpu_check import poisoned, unpoisoned
+    from kernels import mla_tree_attention
+    from engine.gpu_check import poisoned, unpoisoned
 
-    poisoned(mla_verify)
+    poisoned(mla_tree_attention)
     try:
-        return mla_verify.mla_tree_attention(*args, ctx, mask, 0.2, **kw)
+        return mla_tree_attention.mla_tree_attention(*args, ctx, mask, 0.2, **kw)
     finally:
-        unpoisoned(mla_verify)
+        unpoisoned(mla_tree_attention)
 
 
 @inner
@@ -162,7 +162,7 @@ def test_mla_matches_reference(t: int, hh: int, splits: int | None, cfg: tuple |
     divide the key block (9, 38), a cache longer than ctx + T; real tree masks (a deep chain and
     bushy trees) and, in the last sequence, the all-True mask; one split or several."""
     from kernels import reference
-    from kernels.mla_verify import Config
+    from kernels.mla_tree_attention import Config
 
     bt, s = 3, 64
     args = _mla_inputs(bt, t, hh, s, 7 + t + hh)
@@ -179,7 +179,7 @@ def test_mla_causal_is_the_chain_mask(t: int, hh: int, splits: int | None) -> No
     """causal=True (no mask tensor; each tile stops at its last token's key) equals the reference
     with a lower-triangular tree, over prefixes that do and do not align with the key block."""
     from kernels import reference
-    from kernels.mla_verify import Config
+    from kernels.mla_tree_attention import Config
 
     bt, s = 2, 56
     args = _mla_inputs(bt, t, hh, s, 40 + t)
@@ -194,7 +194,7 @@ def test_mla_causal_is_the_chain_mask(t: int, hh: int, splits: int | None) -> No
 def test_mla_split_plan_fills_the_chip() -> None:
     """Splits from sizes alone: none when the row tiles fill the SMs many times over, many when
     they do not (each split a whole number of key blocks, all of them covering the cache)."""
-    from kernels.mla_verify import plan_splits
+    from kernels.mla_tree_attention import plan_splits
 
     assert plan_splits(16 * 257, 65793, 64, 132) == (1, 1029 * 64)
     for tiles, s, least in ((1, 4113, 64), (3, 4113, 32), (17, 65553, 7), (24, 16401, 5), (133, 65793, 2)):
@@ -217,19 +217,19 @@ def _draft(bt: int, length: int, k: int, seed: int, ties: bool) -> tuple[torch.T
 def test_tree_build_is_the_cpu_heap(length: int, k: int, budget: int, ties: bool | None) -> None:
     """The GPU builder against the CPU heap: random log-probs, a coarse grid (many equal scores,
     the insertion counters break them), all equal (ties: None; the counters decide everything)."""
-    from kernels import reference, tree_build
-    from kernels.gpu_check import poisoned, unpoisoned
+    from kernels import build_tree, reference
+    from engine.gpu_check import poisoned, unpoisoned
 
     lp, tok = _draft(3, length, k, budget, bool(ties))
     if ties is None:
         lp.zero_()
     root = torch.tensor([11, 12, 13])
     want = reference.build_tree(lp, tok, root, budget)
-    poisoned(tree_build)
+    poisoned(build_tree)
     try:
-        got = tree_build.build_tree(lp, tok, root, budget)
+        got = build_tree.build_tree(lp, tok, root, budget)
     finally:
-        unpoisoned(tree_build)
+        unpoisoned(build_tree)
     for field in ("tokens", "parents", "depths", "scores", "mask"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
     assert got.draft_len == want.draft_len == length
@@ -237,19 +237,19 @@ def test_tree_build_is_the_cpu_heap(length: int, k: int, budget: int, ties: bool
 
 @inner
 def test_tree_build_refuses_what_it_cannot_build() -> None:
-    from kernels import tree_build
+    from kernels import build_tree
 
     lp, tok = _draft(1, 2, 2, 0, False)
     with pytest.raises(ValueError, match="budget"):
-        tree_build.build_tree(lp, tok, torch.tensor([0]), 7)
+        build_tree.build_tree(lp, tok, torch.tensor([0]), 7)
     with pytest.raises(ValueError, match="63-bit"):
-        tree_build.key_bits(4096, 64, 64)
+        build_tree.key_bits(4096, 64, 64)
 
 
 @inner
 def test_tree_accept_matches_walk() -> None:
     from kernels import reference, tree_accept
-    from kernels.gpu_check import poisoned, unpoisoned
+    from engine.gpu_check import poisoned, unpoisoned
 
     lp, tok = _draft(4, 5, 3, 3, False)
     tree = reference.build_tree(lp, tok, torch.zeros(4, dtype=torch.int64), 30)
@@ -281,8 +281,29 @@ def test_auto_dispatch_is_the_reference_on_cpu() -> None:
     from kernels import ops
 
     x = torch.zeros(1, 8)
-    assert ops._pick("auto", "moe_gemm", x) is None
-    assert ops._pick("torch", "moe_gemm", x) is None
-    assert ops._pick("triton", "mla_verify", x) is ops.triton_module("mla_verify")
+    assert ops.kernel_impl("auto", "moe_gemm", x) == "torch"
+    assert ops.kernel_impl("torch", "moe_gemm", x) == "torch"
+    assert ops.kernel_impl("triton", "mla_tree_attention", x) == "triton"
     with pytest.raises(ValueError):
-        ops._pick("cuda", "moe_gemm", x)  # type: ignore[arg-type]
+        ops.kernel_impl("cuda", "moe_gemm", x)  # type: ignore[arg-type]
+
+
+def test_mla_impl_names_the_kernel_the_dispatch_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The impl column of an MLA point says "gluon" where the launch runs the Gluon kernel: ops.mla_impl
+    reads the tile config the launch reads (on an sm_90 device with bf16 queries over 16 rows), and
+    "triton" where that config is the tl.dot kernel's (16 rows or fewer, fp16, another GPU)."""
+    from kernels import mla_tree_attention, ops
+
+    q = torch.zeros(1, 5, 4, 64, dtype=torch.bfloat16)  # 20 query rows: the "rows" class
+    assert ops.mla_impl(q) == "torch"  # CPU tensors: the reference
+    assert ops.mla_impl(q, "torch") == "torch"
+    assert ops.mla_impl(q, "triton") == "triton"  # the interpreter: the default table
+    monkeypatch.setattr(mla_tree_attention, "capability", lambda device: (9, 0))
+    assert ops.mla_impl(q, "triton") == "gluon"
+    assert ops.mla_impl(q[:, :4], "triton") == "triton"  # 16 rows: the small-row config
+    assert ops.mla_impl(q.half(), "triton") == "triton"  # Gluon takes bf16 only
+    monkeypatch.setattr(mla_tree_attention, "capability", lambda device: (12, 0))
+    assert ops.mla_impl(q, "triton") == "triton"
+    monkeypatch.setattr(mla_tree_attention, "mla_gluon", None)  # a Triton without Gluon
+    monkeypatch.setattr(mla_tree_attention, "capability", lambda device: (9, 0))
+    assert ops.mla_impl(q, "triton") == "triton"

@@ -328,3 +328,24 @@ def test_dense_gemms_get_their_own_table(tmp_path: Path, secret_inv: Inventory) 
     assert f"| lm_head | 8 | 20480 x 7168 | 80.3 | 160.0 | " in section and f"-{pct:.0f} |" in section
     attention = page.split("## Attention and tree kernels", 1)[1].split("### Dense GEMMs", 1)[0]
     assert "dense_gemm" not in attention and "lm_head" not in attention
+
+
+def test_a_run_whose_mla_points_ran_the_gluon_kernel_renders(tmp_path: Path, inv: Inventory) -> None:
+    """An H200 run names impl "gluon" on the MLA points where the Gluon kernel ran (kernels.ops.mla_impl):
+    the measured page shows it, the family rules take it as the engine's own kernel, and the hosts
+    projected from that run still render."""
+    from flows.families import label, preferred
+
+    ref = write_run(tmp_path / "art" / "reference" / "h200")
+    _rewrite(ref, "kernels", lambda r: {**r, "impl": "gluon"} if r["kernel"] == "mla_tree_attention" else r)
+    rows = read_table(ref / "kernels.arrow").to_pylist()
+    mla = [r for r in rows if r["kernel"] == "mla_tree_attention"]
+    assert mla and {label(r) for r in preferred(mla)} == {"mla_tree_attention/gluon"}
+    store = Store(str(tmp_path / "art"))
+    refresh(store, inv, "h200")
+    render_notes(store, inv, tmp_path / "docs")
+    page = (tmp_path / "docs" / "notes" / "h200.md").read_text()
+    attention = page.split("## Attention and tree kernels", 1)[1].split("### Dense GEMMs", 1)[0]
+    assert "| mla_tree_attention | gluon |" in attention
+    for host in ("b300", "pro6000"):
+        assert "mla_tree_attention" in (tmp_path / "docs" / "notes" / f"{host}.md").read_text()

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from flows.analysis.bands import jackknife
-from flows.analysis.families import (POINT_KEY, SIZE_AXIS, e2e_key, family, host_side, label, point_key, preferred,
+from flows.analysis.families import (POINT_KEY, SIZE_AXIS, e2e_key, host_side, label, point_key, preferred,
                                      regime, tp_of)
 from flows.analysis.kernelfit import AXES, class_key, fit_family
 from flows.analysis.projection import ProjectionError, breakdown, measured_ceilings, project, rows_of
@@ -184,10 +184,10 @@ def size(data: Dataset) -> list[BacktestRow]:
     out = []
     fams: dict[str, list[dict[str, Any]]] = {}
     for k in kern:
-        if family(k["kernel"]) in SIZE_AXIS:
+        if k["kernel"] in SIZE_AXIS:
             fams.setdefault(label(k), []).append(k)
     for fam_label, pts in sorted(fams.items()):
-        fam = family(pts[0]["kernel"])
+        fam = pts[0]["kernel"]
         axis, cut = SIZE_AXIS[fam], HOLD_OUT[SIZE_AXIS[fam]]
         calib = [p for p in pts if (p.get(axis) or 0) < cut]
         held = [p for p in pts if (p.get(axis) or 0) >= cut]
@@ -225,10 +225,10 @@ def tensor_parallel(data: Dataset) -> list[BacktestRow]:
     out = []
     by_fam: dict[str, list[dict[str, Any]]] = {}
     for k in preferred(kern):
-        if family(k["kernel"]) in AXES:
+        if k["kernel"] in AXES:
             by_fam.setdefault(label(k), []).append(k)
     for fam_label, pts in sorted(by_fam.items()):
-        fam = family(pts[0]["kernel"])
+        fam = pts[0]["kernel"]
         full = [p for p in pts if tp_of(p) == 1]
         shard = [p for p in pts if tp_of(p) > 1]
         if not full or not shard:

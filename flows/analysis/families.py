@@ -1,6 +1,6 @@
 """Kernel families and point keys: one definition for the projection, the backtests and the notes.
 
-A family is a kernel name (the issue's aliases accepted) and an implementation. These rules say
+A family is a kernel name (as engine.bench writes it) and an implementation. These rules say
 which points run on the host whatever the GPU (CPU kernels, the Python tree references), which
 resource bounds a point (its regime), which kernel shape each e2e step term is made of, and how
 points and e2e rows are keyed when two tables are matched.
@@ -16,8 +16,6 @@ MEMORY, COMPUTE, HOST, LATENCY = "memory", "compute", "host", "latency"
 LATENCY_SHARE = 0.05
 # The dense GEMMs of a step (engine.costs.dense_ops), one point per op, M and TP degree.
 DENSE = "dense_gemm"
-# Kernel names as engine.bench writes them; the issue's family names are accepted as aliases.
-ALIASES = {"mla_verify": "mla_tree_attention", "tree_build": "build_tree"}
 # The torch references of the tree kernels are Python loops on the host: GPU speed does not move them.
 HOST_SIDE = {("build_tree", "torch"), ("tree_accept", "torch")}
 POINT_KEY = ("kernel", "impl", "dtype", "M", "N", "K", "E", "top_k", "budget", "context", "batch", "tp", "op")
@@ -33,13 +31,9 @@ E2E_CONTEXT = 512   # context of a short-prompt e2e step (prompts of 256-512 tok
 Row = Mapping[str, Any]
 
 
-def family(kernel: str) -> str:
-    return ALIASES.get(kernel, kernel)
-
-
 def label(row: Row) -> str:
     """`kernel/impl`, the name a family goes by in tables and notes."""
-    return f"{family(row['kernel'])}/{row['impl']}"
+    return f"{row['kernel']}/{row['impl']}"
 
 
 def tp_of(row: Row) -> int:
@@ -49,7 +43,7 @@ def tp_of(row: Row) -> int:
 
 def host_side(row: Row) -> bool:
     """Points that run on the host whatever the GPU: CPU kernels and the Python tree references."""
-    return row["impl"] == "cpu" or (family(row["kernel"]), row["impl"]) in HOST_SIDE
+    return row["impl"] == "cpu" or (row["kernel"], row["impl"]) in HOST_SIDE
 
 
 def bound(t_bytes: float, t_flops: float) -> str:

@@ -37,7 +37,6 @@ import pyarrow as pa
 from engine.config import CONFIGS
 from engine.costs import expected_experts
 from engine.schema import MANIFEST, MAX_ROWS, SchemaError, check_values, manifest_bytes, table_bytes, to_table
-from flows.analysis.families import family
 from flows.analysis.kernelfit import cost_of
 from flows.analysis.reference import OUTSIDE_ORIGINS, is_outside
 from flows.inventory.hosts import INDEX_PAGE, Interconnect, Inventory, is_page_name
@@ -192,7 +191,7 @@ def kernel_rows(label: str, records: list[dict[str, Any]], run_id: str, impl: st
     for i, raw in enumerate(records, 1):
         where = f"{label}: kernels row {i}"
         r = {KERNEL_ALIASES.get(k, k): v for k, v in raw.items() if v not in (None, "")}
-        kernel = family(_ident(where, "kernel", r.get("kernel")))
+        kernel = _ident(where, "kernel", r.get("kernel"))
         t = _num(where, "time_us", r.get("time_us"))
         config = _ident(where, "config", r.get("config", "k2"), 32)
         if config not in CONFIGS:

@@ -24,7 +24,7 @@ import numpy as np
 from engine.config import ModelConfig
 from engine.costs import build_tree_cost, expected_experts, mla_cost, moe_cost, tree_accept_cost
 from flows.analysis.carrier import Side, memory_gbps
-from flows.analysis.families import family, host_side, preferred, tp_of
+from flows.analysis.families import host_side, preferred, tp_of
 from flows.analysis.interp import Estimate, interpolate
 
 AXES = {"moe_w4a16": ("M",), "mla_tree_attention": ("batch", "budget", "context"),
@@ -126,7 +126,7 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def class_key(row: Mapping[str, Any]) -> Key:
-    return (row["op"], tp_of(row)) if family(row["kernel"]) == "dense_gemm" else (tp_of(row),)
+    return (row["op"], tp_of(row)) if row["kernel"] == "dense_gemm" else (tp_of(row),)
 
 
 def fit_family(name: str, rows: Sequence[Mapping[str, Any]], gbps: float, tflops: float) -> FamilyModel:
@@ -135,7 +135,7 @@ def fit_family(name: str, rows: Sequence[Mapping[str, Any]], gbps: float, tflops
     Classes with fewer points than parameters fall back to the roofline at the ceilings (with the
     points' own ratio to it)."""
     groups: dict[Key, list[Mapping[str, Any]]] = {}
-    for r in preferred([r for r in rows if family(r["kernel"]) == name and not host_side(r)]):
+    for r in preferred([r for r in rows if r["kernel"] == name and not host_side(r)]):
         groups.setdefault(class_key(r), []).append(r)
     shared = name in SHARED_COMPUTE and sum(len(g) >= 2 for g in groups.values()) >= 1
     keys = sorted(groups, key=repr)
@@ -178,7 +178,7 @@ def fit_all(rows: Sequence[Mapping[str, Any]], ceilings: Any) -> dict[str, Famil
     """Every known family's model; `ceilings.of(dtype)` gives the (GB/s, TFLOP/s) of the fallback roofline."""
     out = {}
     for name in AXES:
-        pts = [r for r in rows if family(r["kernel"]) == name and not host_side(r)]
+        pts = [r for r in rows if r["kernel"] == name and not host_side(r)]
         if pts:
             out[name] = fit_family(name, pts, *ceilings.of(pts[0]["dtype"]))
     return out

@@ -31,7 +31,7 @@ from flows.analysis.assumptions import (Assumption, BandEvidence, Comm, E2eNotMe
 from flows.analysis.bands import MIN_POINTS, Band, combine, step_band
 from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError,
                                      Tables, allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
-from flows.analysis.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, bound, e2e_key, family,
+from flows.analysis.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, bound, e2e_key,
                                      host_side, label, point_key, regime, tp_of)
 from flows.analysis.kernelfit import AXES, class_key
 from flows.analysis.stepmodel import (COLUMN, FAMILIES, Model, answer, build, calibration_rows, config_of, query_of,
@@ -148,7 +148,7 @@ def project_kernels(rows: list[dict[str, Any]], model: Model, evidence: Sequence
     effs = family_effs(rows, model.ref_c)
     out = []
     for r in rows:
-        fam = model.fams.get(family(r["kernel"]))
+        fam = model.fams.get(r["kernel"])
         got = None if fam is None or host_side(r) else fam.time_us(
             class_key(r), {a: float(r.get(a) or 0) for a in AXES[fam.family]}, r["bytes"], r["flops"],
             model.carry)

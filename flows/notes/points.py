@@ -7,7 +7,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from engine.config import CONFIGS
-from flows.analysis.families import family, point_key, preferred, tp_of
+from flows.analysis.families import point_key, preferred, tp_of
 from flows.inventory.hosts import Spec
 from flows.notes.fmt import per
 from flows.notes.views import Run
@@ -29,7 +29,7 @@ def ceilings_of(run: Run, spec: Spec | None) -> tuple[float | None, float | None
 def moe_points(run: Run, tp: int = 1) -> list[dict[str, Any]]:
     """MoE W4A16 points at one TP degree's shapes (1: full shapes) of the kernel the engine runs
     at each M (CUDA or Triton: `preferred`), by M. Full and shard rows are never mixed."""
-    pts = [k for k in run.rows("kernels") if family(k["kernel"]) == "moe_w4a16" and k["M"] and tp_of(k) == tp]
+    pts = [k for k in run.rows("kernels") if k["kernel"] == "moe_w4a16" and k["M"] and tp_of(k) == tp]
     return sorted(preferred(pts), key=lambda k: k["M"])
 
 
@@ -40,7 +40,7 @@ def impls_of(pts: list[dict[str, Any]]) -> str:
 
 def moe_degrees(run: Run) -> list[int]:
     """The TP degrees the run's MoE points were measured at: 1 (full shapes) first, then the shards."""
-    return sorted({tp_of(k) for k in run.rows("kernels") if family(k["kernel"]) == "moe_w4a16" and k["M"]})
+    return sorted({tp_of(k) for k in run.rows("kernels") if k["kernel"] == "moe_w4a16" and k["M"]})
 
 
 def gbps(k: dict[str, Any]) -> float:

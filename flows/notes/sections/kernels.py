@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.analysis.families import DENSE, family, host_side, label, regime, tp_of
+from flows.analysis.families import DENSE, host_side, label, regime, tp_of
 from flows.inventory.scrub import md
 from flows.notes.fmt import band_text, fmt, per, sig
 from flows.notes.pages import KernelsView, Table
@@ -20,7 +20,7 @@ def kernels_view(view: HostView, rel: str) -> tuple[KernelsView | None, tuple[Ro
     if src is None:
         return None, ()
     run = src.run
-    pts = sorted((k for k in run.rows("kernels") if family(k["kernel"]) not in ("moe_w4a16", DENSE)),
+    pts = sorted((k for k in run.rows("kernels") if k["kernel"] not in ("moe_w4a16", DENSE)),
                  key=point_key_sort)
     projected = view.kind == "projected"
     head = ["kernel", "impl", "batch", "budget", "context", "us", "GB/s", "TFLOP/s", "regime"]
@@ -66,7 +66,7 @@ def roofline_chart(view: HostView, run: Run) -> Roofline | None:
 def dense_table(kern: list[dict[str, Any]], copy: float | None, mm: float | None) -> Table | None:
     """The dense GEMMs, a row per (op, TP degree): us at each M, and the best and worst share of the
     roofline (max(bytes / copy, flops / matmul) over the time) across M."""
-    pts = [k for k in kern if family(k["kernel"]) == DENSE and k["time_us_p50"] > 0]
+    pts = [k for k in kern if k["kernel"] == DENSE and k["time_us_p50"] > 0]
     if not pts:
         return None
     ms = sorted({k["M"] for k in pts})

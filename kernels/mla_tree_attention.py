@@ -155,19 +155,23 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def pick_config(device: torch.device, rows: int, dtype: torch.dtype) -> Config:
-    """The Config for a sequence of `rows` query rows on `device` (the default where a table entry's
-    kernel cannot run these inputs)."""
-    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA capability `CONFIGS` is keyed by; None off CUDA (the CPU interpreter)."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def pick_config(cap: tuple[int, int] | None, rows: int, dtype: torch.dtype) -> Config:
+    """The Config for a sequence of `rows` query rows on a device of capability `cap` (the default
+    where a table entry's kernel cannot run these inputs): the one choice both the launch and the
+    kernels table's impl column (kernels.ops.mla_impl) read."""
     cls = "small" if rows <= 16 else "rows"
     cfg = CONFIGS.get(cap, CONFIGS[None])[cls]
-    return cfg if cfg.kernel == "triton" or gluon_ok(device, dtype) else CONFIGS[None][cls]
+    return cfg if cfg.kernel == "triton" or gluon_runs(cap, dtype) else CONFIGS[None][cls]
 
 
-def gluon_ok(device: torch.device, dtype: torch.dtype) -> bool:
+def gluon_runs(cap: tuple[int, int] | None, dtype: torch.dtype) -> bool:
     """Whether the sm_90 Gluon kernel can run here: Gluon imported, a Hopper GPU, bf16 inputs."""
-    return (mla_gluon is not None and device.type == "cuda" and dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(device) == (9, 0))
+    return mla_gluon is not None and cap == (9, 0) and dtype == torch.bfloat16
 
 
 def plan_splits(tiles: int, s: int, bn: int, sms: int) -> tuple[int, int]:
@@ -205,9 +209,9 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
         raise ValueError(f"mla_tree_attention: latent {dl} and rope {dr} must be powers of two")
     if not causal and tree_mask is None:
         raise ValueError("mla_tree_attention: a tree mask is needed unless causal=True")
-    rows = t * hh
-    cfg = config or pick_config(q_nope.device, rows, q_nope.dtype)
-    if cfg.kernel == "gluon" and not (gluon_ok(q_nope.device, q_nope.dtype) and (cfg.bm, cfg.bn, cfg.warps) ==
+    rows, cap = t * hh, capability(q_nope.device)
+    cfg = config or pick_config(cap, rows, q_nope.dtype)
+    if cfg.kernel == "gluon" and not (gluon_runs(cap, q_nope.dtype) and (cfg.bm, cfg.bn, cfg.warps) ==
                                       (64, 64, mla_gluon.NUM_WARPS.value)):
         raise ValueError(f"mla_tree_attention: {cfg} needs Gluon, an sm_90 GPU, bf16 and BM = BN = 64, 8 warps")
     tiles = triton.cdiv(rows, cfg.bm)

@@ -1,4 +1,4 @@
-"""Check and time the MoE and tree kernels at K2 shapes on one GPU: `python -m kernels.gpu_check --out DIR`
+"""Check and time the MoE and tree kernels at K2 shapes on one GPU: `python -m engine.gpu_check --out DIR`
 (MLA tree verify has its own: `python -m engine.bench_mla`).
 
 Order: ceilings first (device-to-device copy bandwidth, bf16 matmul rate: engine.timing's), then
@@ -25,11 +25,14 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from engine.build import rel_err
+from engine.config import K2, SHARD_TP
 from engine.timing import copy_gbps, matmul_tflops, time_op
-from kernels import moe_gemm, reference, tree_accept, tree_build
+from kernels import build_tree, moe_gemm, reference, tree_accept
+from kernels.moe_gemm import SplitConfig as C
 from kernels.reference import Tree
 
-E, H, I, TOPK = 384, 7168, 2048, 8
+E, H, I, TOPK = K2.experts, K2.hidden, K2.moe_inter, K2.top_k
 
 
 class Log:
@@ -70,13 +73,6 @@ def unpoisoned(mod: Any) -> None:
     mod.torch = torch
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    o, r = out.double(), ref.double()
-    if not torch.isfinite(o).all():
-        return float("inf")
-    return float((o - r).norm() / r.norm())
-
-
 def bench(fn: Callable[[], Any], graph: bool = True, rep: int = 60) -> float:
     """Median microseconds of `rep` timed calls by engine.timing.time_op (the bench runner's harness:
     L2 evicted by a read before each; CUDA-graph replays when `graph`, which strips launch gaps)."""
@@ -108,24 +104,24 @@ def routing(m: int) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------- MoE on tensor cores, full and TP shard
 
 TC_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-TC_TP = (1, 8)  # full shapes, and one rank of TP-8 (each expert's intermediate / 8)
+TC_TP = (1, SHARD_TP)  # full shapes, and one rank's shard (each expert's intermediate / SHARD_TP)
 # (path, (BM, BN, BK, KS, warps, stages, DOT)); DOT 1: plane dots on tensor cores; 12 / 8: the packed
 # FMA GEMV with / without the next step's loads in flight. The fastest of runs 11-13 (NOTES.md v7).
 TC_SWEEP: list[tuple[str, Any]] = [  # a config, or (gate_up config, down config)
-    ("grouped", (16, 64, 256, 7168, 4, 3, 1)), ("grouped", (16, 64, 256, 7168, 4, 2, 1)),
-    ("grouped", (16, 64, 256, 7168, 2, 3, 1)), ("grouped", (16, 64, 128, 7168, 4, 3, 1)),
-    ("grouped", (16, 128, 128, 7168, 2, 3, 1)), ("grouped", (16, 128, 256, 7168, 8, 4, 1)),
-    ("grouped", (32, 128, 128, 7168, 4, 3, 1)), ("grouped", (32, 64, 256, 7168, 4, 3, 1)),
-    ("grouped", (32, 64, 256, 7168, 2, 3, 1)),
-    ("grouped", ((16, 64, 256, 7168, 4, 3, 1), (16, 128, 128, 7168, 4, 3, 1))),
-    ("split", (1, 64, 256, 1024, 4, 3, 12)), ("split", (1, 64, 256, 7168, 4, 3, 12)),
-    ("split", (1, 64, 256, 3584, 4, 3, 8)), ("grouped", (1, 64, 256, 1024, 4, 3, 8)),
+    ("grouped", C(16, 64, 256, 7168, 4, 3, 1)), ("grouped", C(16, 64, 256, 7168, 4, 2, 1)),
+    ("grouped", C(16, 64, 256, 7168, 2, 3, 1)), ("grouped", C(16, 64, 128, 7168, 4, 3, 1)),
+    ("grouped", C(16, 128, 128, 7168, 2, 3, 1)), ("grouped", C(16, 128, 256, 7168, 8, 4, 1)),
+    ("grouped", C(32, 128, 128, 7168, 4, 3, 1)), ("grouped", C(32, 64, 256, 7168, 4, 3, 1)),
+    ("grouped", C(32, 64, 256, 7168, 2, 3, 1)),
+    ("grouped", (C(16, 64, 256, 7168, 4, 3, 1), C(16, 128, 128, 7168, 4, 3, 1))),
+    ("split", C(1, 64, 256, 1024, 4, 3, 12)), ("split", C(1, 64, 256, 7168, 4, 3, 12)),
+    ("split", C(1, 64, 256, 3584, 4, 3, 8)), ("grouped", C(1, 64, 256, 1024, 4, 3, 8)),
 ]
 
 
-def _pass_cfgs(c: Any) -> dict[str, moe_gemm.SplitConfig]:
+def _pass_cfgs(c: C | tuple[C, C]) -> dict[str, C]:
     """A sweep entry as moe_w4a16's configs: one config for both passes, or a (gate_up, down) pair."""
-    return {"gate_up": c[0], "down": c[1]} if isinstance(c[0], tuple) else {"gate_up": c, "down": c}
+    return {"gate_up": c, "down": c} if isinstance(c, C) else {"gate_up": c[0], "down": c[1]}
 
 
 def _tc_weights(e: int, inter: int, seed: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -167,10 +163,10 @@ def moe_tc_section(log: Log, bw: float) -> None:
 
     t0 = time.time()
     with mp.get_context("spawn").Pool(16) as pool:
-        warm = importlib.import_module("kernels.gpu_check")._warm_tc
+        warm = importlib.import_module("engine.gpu_check")._warm_tc
         errs = pool.map(warm, [[c] for c in TC_SWEEP])
     log(section="moetc_compile", wall_s=time.time() - t0, errors=[x for x in errs if x])
-    nsets = {1: 2, 8: 8}  # 2 x 9.5 GB; 8 x 1.2 GB
+    nsets = {1: 2, SHARD_TP: 8}  # weight sets: their bytes together well over L2
     sets = {tp: [_tc_weights(E, I // tp) for _ in range(nsets[tp])] for tp in TC_TP}
     inputs = {(tp, m): [(torch.randn(m, H, device="cuda", dtype=torch.bfloat16), *routing(m)) for _ in sets[tp]]
               for tp in TC_TP for m in TC_M}
@@ -198,7 +194,7 @@ def moe_tc_section(log: Log, bw: float) -> None:
             for path, c in [(None, None), *TC_SWEEP]:  # None: the shipped dispatch (baseline)
                 if log.time_left() < 40:
                     break
-                if (path == "split" and m * TOPK > moe_gemm.SPLIT_MAX_SLOTS) or (c and not _pass_cfgs(c)["gate_up"][6] & 3 and m > 16):
+                if (path == "split" and m * TOPK > moe_gemm.SPLIT_MAX_SLOTS) or (c and not _pass_cfgs(c)["gate_up"].tensor_cores and m > 16):
                     continue  # the FMA GEMV scales with the slots: decode sizes only
                 try:
                     err = rel_err(run(tp, m, 0, path, c), ref)
@@ -271,14 +267,14 @@ def accept_target(tree: Tree, follow: float) -> torch.Tensor:
 
 
 def tree_section(log: Log) -> None:
-    poisoned(tree_build)
+    poisoned(build_tree)
     poisoned(tree_accept)
     for budget, ties in ((64, False), (256, True), (1024, False), (1024, True), (512, None)):
         lp, tok = draft(16, 16, 8, bool(ties))
         if ties is None:  # every score equal: the insertion counters decide the whole tree
             lp.zero_()
         root = torch.randint(0, 1000, (16,), device="cuda")
-        gpu = tree_build.build_tree(lp, tok, root, budget)
+        gpu = build_tree.build_tree(lp, tok, root, budget)
         cpu = reference.build_tree(lp, tok, root, budget)
         same = {f: bool(torch.equal(getattr(gpu, f), getattr(cpu, f))) for f in ("tokens", "parents", "depths", "scores", "mask")}
         log(section="tree_check", budget=budget, ties=ties, same=same, ok=all(same.values()))
@@ -287,13 +283,13 @@ def tree_section(log: Log) -> None:
         want = reference.tree_accept(cpu, am)
         ok = all(bool(torch.equal(a, b)) for a, b in zip(got, want))
         log(section="accept_check", budget=budget, ok=ok, mean_accept=float(want[1].float().mean()))
-    unpoisoned(tree_build)
+    unpoisoned(build_tree)
     unpoisoned(tree_accept)
     for budget in (64, 256, 1024):
         lp, tok = draft(16, 16, 8, False)
         root = torch.randint(0, 1000, (16,), device="cuda")
         for warps in (1, 2, 4):
-            us = bench(lambda: tree_build.build_tree(lp, tok, root, budget, num_warps=warps))
+            us = bench(lambda: build_tree.build_tree(lp, tok, root, budget, num_warps=warps))
             log(section="tree_time", budget=budget, bt=16, num_warps=warps, us=us)
         t0 = time.perf_counter()
         for _ in range(3):
