@@ -138,14 +138,15 @@ def test_an_outside_serving_figure_meets_the_median_acceptance_at_the_shortest_p
     monkeypatch.setattr(bt, "answer", fake_answer)
     ref_rows = [{"source": "measured", "status": "ok", "step_ms_p50": 10.0, "config": "k2", "layers": 61, "tp": 8,
                  "concurrency": c, "budget": 16, "context": ctx, "accept_len_mean": acc, "tokens_per_s": 1.0}
-                for c, ctx, acc in [(1, 300, 2.0), (16, 350, 3.0), (1, 32768, 4.0), (1, 300, 9.0), (16, 350, 5.0)]]
+                for c, ctx, acc in [(1, 300, 2.0), (16, 350, 3.0), (1, 32768, 4.0), (1, 300, 9.0), (16, 350, 5.0),
+                                     (1, None, 6.0)]]  # a row from before the context column
     ref = bt.Dataset("h200", None, "r", {"e2e": pa.Table.from_pylist(ref_rows)})
     tgt = bt.Dataset("pub", None, "p", {"e2e": pa.Table.from_pylist(
         [{"config": "k2", "layers": 61, "tp": 8, "concurrency": 10, "tokens_per_s": 400.0}])})
     [(measured, projected, _)] = bt._e2e_pairs(ref, tgt, None, {}, relax_impl=True)
     assert measured == 400.0
     assert {q.context for q in asked} == {300} and {q.concurrency for q in asked} == {10}
-    assert projected == pytest.approx(100 * 4.0 - 3.0)  # median of accepts 2, 3, 4, 5, 9
+    assert projected == pytest.approx(100 * 4.5 - 3.0)  # median of accepts 2, 3, 4, 5, 6, 9
 
 
 def test_the_stored_backtest_is_the_same_bytes_every_time(store: Store, inv: Inventory) -> None:

@@ -329,9 +329,10 @@ def _e2e_pairs(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl:
         cands = [r for r in levels if r.get("layers") == m.get("layers")]
         if not m["tokens_per_s"] or not cands:
             continue
-        shortest = min(r["context"] for r in cands)
-        answers = [answer(model, replace(query_of(r), tp=tp_of(m), concurrency=m["concurrency"], context=shortest),
-                          config_of(r)).tokens_per_s for r in cands]
+        queries = [query_of(r) for r in cands]
+        shortest = min(q.context for q in queries)
+        answers = [answer(model, replace(q, tp=tp_of(m), concurrency=m["concurrency"], context=shortest),
+                          config_of(r)).tokens_per_s for q, r in zip(queries, cands)]
         out.append((m["tokens_per_s"], statistics.median(answers), e2e_key(m)))
     return out
 
