@@ -4,6 +4,7 @@ always brought down again. The synthetic runs tests write live in tests/support/
 from __future__ import annotations
 
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -16,6 +17,8 @@ from flows.inventory.hosts import Host, Inventory
 from flows.store.store import Store
 from flows.transport import sandbox as sandbox_mod
 from support.runs import model_run, write_run
+
+DYING_GRACE_S = 10.0  # how long a killed remote command may take to go after the sandbox is down
 
 
 @dataclass
@@ -59,7 +62,14 @@ def sandbox_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callab
             pids = [r["pid"] for r in sandbox_mod.status(state) if r["pid"]]
             pids += [c for p in pids for c in sandbox_mod._descendants(p)]
             sandbox_mod.down(state)
-            assert not any(sandbox_mod._alive(p) for p in pids), "a sandbox process outlived `down`"
+            # a remote command the test had killed may still be dying, reparented away from sshd: give it
+            # a grace, then stop whatever is left (nothing outlives the test) and fail
+            deadline = time.monotonic() + DYING_GRACE_S
+            while any(sandbox_mod._alive(p) for p in pids) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            left = [p for p in pids if sandbox_mod._alive(p)]
+            sandbox_mod._kill(left)
+            assert not left, "a sandbox process outlived `down`"
 
 
 @pytest.fixture
