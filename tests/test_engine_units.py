@@ -185,6 +185,11 @@ def test_typed_rows_are_the_schema_columns_and_refuse_any_other() -> None:
     table = schema.to_table("e2e", [rows.E2ERow(run_id="r", config="k2", device="cpu", concurrency=1, budget=16,
                                                 source="measured", status=schema.PointStatus.SKIPPED)], {"run_id": "r"})
     assert table.column("status").to_pylist() == ["skipped"] and table.column("tp").to_pylist() == [1]
+    assert tuple(schema.CommSource) == ("measured", "modelled", "none")   # the stored words, as before the enum
+    table = schema.to_table("e2e", [rows.E2ERow(run_id="r", config="k2", device="cpu", concurrency=1, budget=16,
+                                                source="measured", comm_source=schema.CommSource.MODELLED)],
+                            {"run_id": "r"})
+    assert table.column("comm_source").to_pylist() == ["modelled"]
 
 
 def test_a_suite_writer_takes_its_tables_rows_only(tmp_path) -> None:  # noqa: ANN001

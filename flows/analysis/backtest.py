@@ -28,6 +28,7 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
+from engine.schema import CommSource
 from flows.analysis.bands import jackknife
 from flows.analysis.families import (POINT_KEY, SIZE_AXIS, e2e_key, host_side, label, point_key, preferred,
                                      regime, tp_of)
@@ -251,7 +252,7 @@ def tensor_parallel(data: Dataset) -> list[BacktestRow]:
         for m in (r for r in e2e if tp_of(r) == n):
             s = answer(model, query_of(m), config_of(m))
             key = e2e_key(m, without=("synthetic_accept",))
-            if m.get("comm_source") == "measured":   # a real N-GPU run: the whole step, comm included
+            if m.get("comm_source") == CommSource.MEASURED:   # a real N-GPU run: the whole step, comm included
                 real.append((m["step_ms_p50"] + breakdown(m)["comm_ms"], s.step_ms + s.ms["comm"], key))
             else:                                    # one rank on one GPU: its compute, comm left out
                 rank.append((m["step_ms_p50"], s.step_ms, key))

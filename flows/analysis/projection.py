@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from engine.schema import provenance, to_table
+from engine.schema import CommSource, provenance, to_table
 from flows.analysis.assumptions import (Assumption, BandEvidence, Comm, E2eNotMeasured, E2eWithoutSplit, Kept,
                                         KernelModels, ReferenceCeilings, SkippedPoint, StepModel, TargetCeilings,
                                         TensorParallel, TpCarry, parse, record)
@@ -238,7 +238,7 @@ def project_e2e(tables: Tables, model: Model, evidence: Sequence[Any], run_id: s
                                               "accept_len_mean", "weight_sets", "vocab")},
                     **{COLUMN[f]: s.ms[f] for f in FAMILIES}, "comm_ms": s.ms["comm"],
                     "kernel_ms": s.step_ms - s.ms["host"], "outside_ms": s.ms["host"],
-                    "tp": tp, "comm_source": "modelled" if tp > 1 else "none",
+                    "tp": tp, "comm_source": CommSource.MODELLED if tp > 1 else CommSource.NONE,
                     "run_id": run_id, "device": "cpu" if model.target.spec.arch == "cpu" else "cuda",
                     "step_ms_p50": s.step_ms, "tokens_per_s": tps, "tokens_per_s_low": low, "tokens_per_s_high": high,
                     "source": "projected", "reference_run_id": ref_run_id})

@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from engine.schema import to_table
+from engine.schema import CommSource, to_table
 from flows.analysis.bands import Band, step_band
 from flows.analysis.ceilings import Machine, ProjectionError, Tables, rows_of
 from flows.analysis.families import tp_of
@@ -116,7 +116,7 @@ def as_tables(host: str, model: Model, items: Sequence[Answer], run_id: str, wha
                      "budget": q.budget, "context": q.context, "synthetic_accept": a.level,
                      "status": "ok" if ok else "skipped", "skip_reason": s.memory.why_not() or None,
                      "memory_bytes": s.memory.need, "accept_len_mean": q.accept,
-                     "comm_source": "modelled" if q.tp > 1 else "none",
+                     "comm_source": CommSource.MODELLED if q.tp > 1 else CommSource.NONE,
                      "tokens_per_s": s.tokens_per_s if ok else None, "step_ms_p50": s.step_ms if ok else None,
                      "tokens_per_s_low": lo if ok else None, "tokens_per_s_high": hi if ok else None,
                      **({COLUMN[f]: s.ms[f] for f in FAMILIES} if ok else {}), "comm_ms": s.ms["comm"] if ok else None,
