@@ -14,6 +14,7 @@ names its own axes and maps them onto those columns in one place (`columns`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, make_dataclass
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pyarrow as pa
@@ -38,6 +39,16 @@ def _row_type(table: str) -> type:
 
 ROWS: dict[str, type] = {t: _row_type(t) for t in schema.TABLES}
 RunRow, KernelRow, E2ERow, CommRow = (ROWS[t] for t in schema.TABLES)
+# Every column's name as an attribute (COLUMNS.reference_run_id == "reference_run_id"), for the few
+# places that must name a column as a string (an Arrow column read): a misspelt one is an
+# AttributeError where it is named, not a column silently missing.
+COLUMNS = SimpleNamespace(**{n: n for t in schema.TABLES for n in schema.SCHEMAS[t].names})
+
+
+def rows_of(table: pa.Table, name: str) -> list[Any]:
+    """The rows of a checked table of `name` as that table's typed rows (a column the table does not
+    hold takes the row's default; one the row does not know is a TypeError)."""
+    return [ROWS[name](**r) for r in table.to_pylist()]
 
 
 def set_columns(row: Any) -> dict[str, Any]:
