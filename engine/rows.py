@@ -45,7 +45,7 @@ RunRow, KernelRow, E2ERow, CommRow = (ROWS[t] for t in schema.TABLES)
 COLUMNS = SimpleNamespace(**{n: n for t in schema.TABLES for n in schema.SCHEMAS[t].names})
 
 
-def rows_of(table: pa.Table, name: str) -> list[Any]:
+def table_rows(table: pa.Table, name: str) -> list[Any]:
     """The rows of a checked table of `name` as that table's typed rows (a column the table does not
     hold takes the row's default; one the row does not know is a TypeError)."""
     return [ROWS[name](**r) for r in table.to_pylist()]

@@ -25,12 +25,10 @@ _FACTS = "a host's probe facts (JSON the host answered, keyed by engine.schema.P
 # module -> (the names allowed there, or ALL; why)
 EXCEPTIONS: dict[str, tuple[frozenset[str] | None, str]] = {
     **{f"flows/analysis/{m}.py": (ALL, _LEFT) for m in (
-        "backtest", "bands", "ceilings", "families", "importer", "kernelfit", "projection", "reference",
-        "stepmodel", "whatif")},
+        "backtest", "bands", "families", "importer", "kernelfit", "projection", "reference", "stepmodel", "whatif")},
     **{f"flows/notes/{m}.py": (ALL, _LEFT) for m in (
-        "gather", "plots", "points", "summary", "views", "sections/accept", "sections/comm", "sections/compare",
-        "sections/context", "sections/e2e", "sections/kernels", "sections/machine", "sections/moe",
-        "sections/outside", "sections/page", "sections/projected", "sections/whatif")},
+        "gather", "plots", "points", "summary", "sections/machine", "sections/outside", "sections/projected",
+        "sections/whatif")},
     "flows/cli/project.py": (ALL, _LEFT),
     "flows/pipelines/progress.py": (ALL, _EVENT),
     "flows/pipelines/tasks.py": (frozenset({"points", "status"}), _EVENT),

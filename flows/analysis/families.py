@@ -33,17 +33,17 @@ Row = Mapping[str, Any]
 
 def label(row: Row) -> str:
     """`kernel/impl`, the name a family goes by in tables and notes."""
-    return f"{row['kernel']}/{row['impl']}"
+    return f"{row.kernel}/{row.impl}"
 
 
 def tp_of(row: Row) -> int:
     """Tensor-parallel degree of a point or e2e row (1 where the file predates the column)."""
-    return int(row.get("tp") or 1)
+    return int(row.tp or 1)
 
 
 def host_side(row: Row) -> bool:
     """Points that run on the host whatever the GPU: CPU kernels and the Python tree references."""
-    return row["impl"] == "cpu" or (row["kernel"], row["impl"]) in HOST_SIDE
+    return row.impl == "cpu" or (row.kernel, row.impl) in HOST_SIDE
 
 
 def bound(t_bytes: float, t_flops: float) -> str:
@@ -56,25 +56,25 @@ def regime(row: Row, gbps: float | None, tflops: float | None) -> str:
         return HOST
     if not gbps or not tflops:
         return "-"
-    t_bytes, t_flops = row["bytes"] / (gbps * 1e3), row["flops"] / (tflops * 1e6)
-    if max(t_bytes, t_flops) < LATENCY_SHARE * row["time_us_p50"]:
+    t_bytes, t_flops = row.bytes / (gbps * 1e3), row.flops / (tflops * 1e6)
+    if max(t_bytes, t_flops) < LATENCY_SHARE * row.time_us_p50:
         return LATENCY
     return bound(t_bytes, t_flops)
 
 
 def point_key(row: Row) -> tuple:
-    return tuple(tp_of(row) if k == "tp" else row.get(k) for k in POINT_KEY)
+    return tuple(tp_of(row) if k == "tp" else getattr(row, k) for k in POINT_KEY)
 
 
 def e2e_key(row: Row, without: tuple[str, ...] = ()) -> tuple:
-    return tuple(tp_of(row) if k == "tp" else row.get(k) for k in E2E_KEY if k not in without)
+    return tuple(tp_of(row) if k == "tp" else getattr(row, k) for k in E2E_KEY if k not in without)
 
 
 def step_shapes(e2e: Row) -> dict[str, dict[str, float]]:
     """The kernel shape each family runs at in one step of an e2e point (attention over the row's
     prompt length where that is longer than a short-prompt step's context: the context axis)."""
-    conc, budget = e2e["concurrency"], e2e["budget"]
-    context = max(e2e.get("context") or 0, E2E_CONTEXT)
+    conc, budget = e2e.concurrency, e2e.budget
+    context = max(e2e.context or 0, E2E_CONTEXT)
     return {"moe_w4a16": {"M": conc * (budget + 1)},
             "mla_tree_attention": {"batch": conc, "budget": budget, "context": context},
             "build_tree": {"batch": conc, "budget": budget}, "tree_accept": {"batch": conc, "budget": budget}}
@@ -83,4 +83,4 @@ def step_shapes(e2e: Row) -> dict[str, dict[str, float]]:
 def preferred(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The implementation a step runs: the engine's own kernels where the family has them (CUDA or
     Triton, whichever the host ran at each shape), else what there is (the torch reference)."""
-    return [r for r in rows if r["impl"] != "torch"] or rows
+    return [r for r in rows if r.impl != "torch"] or rows

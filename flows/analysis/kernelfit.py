@@ -126,7 +126,7 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def class_key(row: Mapping[str, Any]) -> Key:
-    return (row["op"], tp_of(row)) if row["kernel"] == "dense_gemm" else (tp_of(row),)
+    return (row.op, tp_of(row)) if row.kernel == "dense_gemm" else (tp_of(row),)
 
 
 def fit_family(name: str, rows: Sequence[Mapping[str, Any]], gbps: float, tflops: float) -> FamilyModel:
@@ -135,7 +135,7 @@ def fit_family(name: str, rows: Sequence[Mapping[str, Any]], gbps: float, tflops
     Classes with fewer points than parameters fall back to the roofline at the ceilings (with the
     points' own ratio to it)."""
     groups: dict[Key, list[Mapping[str, Any]]] = {}
-    for r in preferred([r for r in rows if r["kernel"] == name and not host_side(r)]):
+    for r in preferred([r for r in rows if r.kernel == name and not host_side(r)]):
         groups.setdefault(class_key(r), []).append(r)
     shared = name in SHARED_COMPUTE and sum(len(g) >= 2 for g in groups.values()) >= 1
     keys = sorted(groups, key=repr)
@@ -144,9 +144,9 @@ def fit_family(name: str, rows: Sequence[Mapping[str, Any]], gbps: float, tflops
     classes = {}
     for k in keys:
         fit = None if name in KEPT else fits.get(k) or default
-        samples = tuple(({a: float(p.get(a) or 0) for a in AXES[name]},
-                         p["time_us_p50"] / (fit.us(p["bytes"], p["flops"]) if fit else 1.0)) for p in groups[k])
-        classes[k] = ShapeClass(fit, samples, k[-1], groups[k][0]["dtype"])
+        samples = tuple(({a: float(getattr(p, a) or 0) for a in AXES[name]},
+                         p.time_us_p50 / (fit.us(p.bytes, p.flops) if fit else 1.0)) for p in groups[k])
+        classes[k] = ShapeClass(fit, samples, k[-1], groups[k][0].dtype)
     return FamilyModel(name, classes)
 
 
@@ -163,9 +163,9 @@ def _fit(keys: list[Key], groups: dict[Key, list[Mapping[str, Any]]], shared: bo
         for i, k in enumerate(block):
             for p in groups[k]:
                 v = np.zeros(width)
-                v[2 * i], v[2 * i + 1], v[-1] = 1.0, p["bytes"], p["flops"]
+                v[2 * i], v[2 * i + 1], v[-1] = 1.0, p.bytes, p.flops
                 rows.append(v)
-                ts.append(p["time_us_p50"])
+                ts.append(p.time_us_p50)
         a, t = np.array(rows), np.array(ts)
         scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
         x = _nnls(a / t[:, None] / scale, np.ones_like(t)) / scale
@@ -178,7 +178,7 @@ def fit_all(rows: Sequence[Mapping[str, Any]], ceilings: Any) -> dict[str, Famil
     """Every known family's model; `ceilings.of(dtype)` gives the (GB/s, TFLOP/s) of the fallback roofline."""
     out = {}
     for name in AXES:
-        pts = [r for r in rows if r["kernel"] == name and not host_side(r)]
+        pts = [r for r in rows if r.kernel == name and not host_side(r)]
         if pts:
-            out[name] = fit_family(name, pts, *ceilings.of(pts[0]["dtype"]))
+            out[name] = fit_family(name, pts, *ceilings.of(pts[0].dtype))
     return out

@@ -132,7 +132,7 @@ class Model:
 
 
 def config_of(row: Mapping[str, Any]) -> ModelConfig:
-    return CONFIGS.get(str(row["config"]).split("/")[0], CONFIGS["k2"])
+    return CONFIGS.get(str(row.config).split("/")[0], CONFIGS["k2"])
 
 
 def layer_counts(cfg: ModelConfig, layers: int) -> dict[str, int]:
@@ -203,18 +203,18 @@ def cal_shape(tp: int, tokens: int, context: int | None) -> dict[str, float]:
 
 
 def query_of(row: Mapping[str, Any]) -> Query:
-    return Query(tp_of(row), row["concurrency"], row["budget"], row.get("context") or E2E_CONTEXT,
-                 row.get("accept_len_mean") or 0.0, row.get("layers"))
+    return Query(tp_of(row), row.concurrency, row.budget, row.context or E2E_CONTEXT,
+                 row.accept_len_mean or 0.0, row.layers)
 
 
 def calibration_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The measured e2e rows a calibration can use: ok, with a step."""
-    return [r for r in rows if r["source"] == "measured" and r.get("status", "ok") == "ok" and r.get("step_ms_p50")]
+    return [r for r in rows if r.source == "measured" and r.status == "ok" and r.step_ms_p50]
 
 
 def _gpu_ms(row: Mapping[str, Any]) -> float:
     """The row's GPU time a step (the whole step where it was not profiled: then host time is in it)."""
-    return row["kernel_ms"] if row.get("kernel_ms") is not None else row["step_ms_p50"]
+    return row.kernel_ms if row.kernel_ms is not None else row.step_ms_p50
 
 
 def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -229,16 +229,16 @@ def calibrate(m: Model, rows: Sequence[Mapping[str, Any]]) -> Calibration:
     """Per-family in-step/suite factors, gpu_other (fixed + per layer) and host time, from `rows`."""
     factors: dict[str, list[Sample]] = {f: [] for f in SUITE}
     other: dict[tuple, list[tuple[int, float]]] = {}
-    split = bool(rows) and all(r.get("moe_ms") is not None for r in rows)
+    split = bool(rows) and all(r.moe_ms is not None for r in rows)
     for r in rows:
         cfg, q = config_of(r), query_of(r)
         acc = suite_ms(m, cfg, q, on_target=False)
-        shape = cal_shape(q.tp, q.concurrency * (q.budget + 1), r.get("context"))
+        shape = cal_shape(q.tp, q.concurrency * (q.budget + 1), r.context)
         if split:
             for f in SUITE:
-                if r.get(COLUMN[f]) is not None and acc.ms[f] > 0 and r[COLUMN[f]] > 0:
-                    factors[f].append((shape, r[COLUMN[f]] / acc.ms[f]))
-            rest = r["gpu_other_ms"]
+                if getattr(r, COLUMN[f]) is not None and acc.ms[f] > 0 and getattr(r, COLUMN[f]) > 0:
+                    factors[f].append((shape, getattr(r, COLUMN[f]) / acc.ms[f]))
+            rest = r.gpu_other_ms
         else:
             rest = _gpu_ms(r) - sum(acc.ms.values())
         other.setdefault(tuple(shape.values()), []).append((q.layers or cfg.layers, rest))
@@ -251,7 +251,7 @@ def calibrate(m: Model, rows: Sequence[Mapping[str, Any]]) -> Calibration:
         shape = dict(zip(CAL_AXES, key))
         d = interpolate(fixed, shape, CAL_AXES, log_value=False).value if fixed else 0.0
         per_layer += [(shape, (v - d) / n) for n, v in pts]
-    host = [(r.get("layers") or config_of(r).layers, r["outside_ms"]) for r in rows if r.get("outside_ms") is not None]
+    host = [(r.layers or config_of(r).layers, r.outside_ms) for r in rows if r.outside_ms is not None]
     h0, h1 = _line([n for n, _ in host], [v for _, v in host]) if len({n for n, _ in host}) >= 2 else (0.0, -1.0)
     if h0 < 0 or h1 < 0:   # one depth (or a line through zero's wrong side): all of it per layer
         h0, h1 = (0.0, statistics.median(v / n for n, v in host)) if host else (0.0, 0.0)
@@ -301,7 +301,7 @@ def build(tables: Tables, ref: Machine, target: Machine, rows: Sequence[Mapping[
     """The step model of `target` from a measured run of `ref`, calibrated on `rows` (default: the run's
     measured e2e rows; a backtest passes its calibration side)."""
     ref_c = measured_ceilings(tables["runs"], ref.spec)
-    kern = [k for k in rows_of(tables, "kernels") if k["source"] == "measured"]
+    kern = [k for k in rows_of(tables, "kernels") if k.source == "measured"]
     e2e = calibration_rows(rows_of(tables, "e2e") if rows is None else rows)
     cfg = config_of(e2e[0]) if e2e else CONFIGS["k2"]
     m = Model(cfg, fit_all(kern, ref_c), ref, target, ref_c, ref_c.carried_to(target.spec),
@@ -361,6 +361,6 @@ def step_spread(rows: Sequence[dict[str, Any]]) -> float:
     acceptance levels, relative to their mean, the median over configurations."""
     groups: dict[tuple, list[float]] = {}
     for r in rows:
-        groups.setdefault(e2e_key(r, without=("synthetic_accept",)), []).append(r["step_ms_p50"])
+        groups.setdefault(e2e_key(r, without=("synthetic_accept",)), []).append(r.step_ms_p50)
     spreads = [(max(v) - min(v)) / 2 / statistics.mean(v) for v in groups.values() if len(v) > 1]
     return statistics.median(spreads) if spreads else 0.0

@@ -53,10 +53,10 @@ class Answer:
 def accept_levels(tables: Tables) -> list[tuple[float | None, float]]:
     """(synthetic level, mean accepted draft tokens a step) of the reference's full-depth e2e rows."""
     rows = [r for r in calibration_rows(rows_of(tables, "e2e"))
-            if r.get("accept_len_mean") is not None and (r.get("layers") or 0) >= config_of(r).layers]
+            if r.accept_len_mean is not None and (r.layers or 0) >= config_of(r).layers]
     by: dict[float | None, list[float]] = {}
     for r in rows:
-        by.setdefault(r.get("synthetic_accept"), []).append(r["accept_len_mean"])
+        by.setdefault(r.synthetic_accept, []).append(r.accept_len_mean)
     return [(lv, statistics.mean(v)) for lv, v in sorted(by.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
 
 

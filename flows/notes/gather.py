@@ -13,6 +13,7 @@ import pyarrow as pa
 from engine.schema import SchemaError, provenance
 from flows.analysis.assumptions import map_strings, parse
 from flows.analysis.backtest import stored_backtest
+from flows.analysis.ceilings import rows_of
 from flows.analysis.reference import is_outside
 from flows.analysis.whatif import SUITE as WHATIF, stored_whatif
 from flows.inventory.hosts import Inventory, is_page_name
@@ -30,9 +31,9 @@ def measured_runs(store: Store, name: str) -> list[Run]:
         if info.source == "measured":
             runs[info.run_id] = ((1, i), Run(info.run_id, store.load(name, info.run_id)))
     for tables in readable_references(store).values():
-        row = tables["runs"].to_pylist()[0]
-        if row["host"] == name and row["source"] == "measured" and not is_outside(tables):
-            runs.setdefault(row["run_id"], ((0, row["started_at"] or ""), Run(row["run_id"], tables)))
+        row = rows_of(tables, "runs")[0]
+        if row.host == name and row.source == "measured" and not is_outside(tables):
+            runs.setdefault(row.run_id, ((0, row.started_at or ""), Run(row.run_id, tables)))
     return [r for _, r in sorted(runs.values(), key=lambda x: (x[0], x[1].run_id))]
 
 

@@ -22,56 +22,56 @@ FAMILY_NAMES = {"moe_ms": "moe", "attention_ms": "attention", "dense_ms": "dense
 
 def ceilings_of(run: Run, spec: Spec | None) -> tuple[float | None, float | None]:
     r = run.runs_row
-    return r.get("copy_gbps") or (spec.mem_bw_gbps if spec else None), \
-        r.get("matmul_tflops") or (spec.tflops.get("bf16") if spec else None)
+    return r.copy_gbps or (spec.mem_bw_gbps if spec else None), \
+        r.matmul_tflops or (spec.tflops.get("bf16") if spec else None)
 
 
 def moe_points(run: Run, tp: int = 1) -> list[dict[str, Any]]:
     """MoE W4A16 points at one TP degree's shapes (1: full shapes) of the kernel the engine runs
     at each M (CUDA or Triton: `preferred`), by M. Full and shard rows are never mixed."""
-    pts = [k for k in run.rows("kernels") if k["kernel"] == "moe_w4a16" and k["M"] and tp_of(k) == tp]
-    return sorted(preferred(pts), key=lambda k: k["M"])
+    pts = [k for k in run.rows("kernels") if k.kernel == "moe_w4a16" and k.M and tp_of(k) == tp]
+    return sorted(preferred(pts), key=lambda k: k.M)
 
 
 def impls_of(pts: list[dict[str, Any]]) -> str:
     """The implementations of some points, in order of first appearance: "cuda, triton"."""
-    return ", ".join(dict.fromkeys(k["impl"] for k in pts))
+    return ", ".join(dict.fromkeys(k.impl for k in pts))
 
 
 def moe_degrees(run: Run) -> list[int]:
     """The TP degrees the run's MoE points were measured at: 1 (full shapes) first, then the shards."""
-    return sorted({tp_of(k) for k in run.rows("kernels") if k["kernel"] == "moe_w4a16" and k["M"]})
+    return sorted({tp_of(k) for k in run.rows("kernels") if k.kernel == "moe_w4a16" and k.M})
 
 
 def gbps(k: dict[str, Any]) -> float:
     """A kernel point's achieved bandwidth, as its row carries it (NaN where the row has none)."""
-    return math.nan if k["achieved_gbps"] is None else k["achieved_gbps"]
+    return math.nan if k.achieved_gbps is None else k.achieved_gbps
 
 
 def tflops(k: dict[str, Any]) -> float:
     """A kernel point's achieved compute rate, as its row carries it (NaN where the row has none)."""
-    return math.nan if k["achieved_tflops"] is None else k["achieved_tflops"]
+    return math.nan if k.achieved_tflops is None else k.achieved_tflops
 
 
 def plateau_m(points: list[dict[str, Any]]) -> int | None:
     gb = [gbps(k) for k in points]
     top = max((g for g in gb if math.isfinite(g)), default=None)
-    return next((k["M"] for k, g in zip(points, gb) if top is not None and g >= PLATEAU * top), None)
+    return next((k.M for k, g in zip(points, gb) if top is not None and g >= PLATEAU * top), None)
 
 
 def best_moe(run: Run) -> dict[str, Any] | None:
     """The MoE point of the highest bandwidth (None when no point has a usable one)."""
     pts = [k for k in moe_points(run) if math.isfinite(gbps(k))]
-    return max(pts, key=lambda k: (gbps(k), -k["M"])) if pts else None
+    return max(pts, key=lambda k: (gbps(k), -k.M)) if pts else None
 
 
 def full_depth(row: dict[str, Any]) -> int:
-    return CONFIGS[row["config"]].layers if row["config"] in CONFIGS else row["layers"] or 0
+    return CONFIGS[row.config].layers if row.config in CONFIGS else row.layers or 0
 
 
 def at_full_depth(run: Run) -> list[dict[str, Any]]:
     """The run's e2e rows with a figure that decode the model's whole depth: deployment figures."""
-    return [e for e in run.rows("e2e") if e["tokens_per_s"] and e["layers"] and e["layers"] >= full_depth(e)]
+    return [e for e in run.rows("e2e") if e.tokens_per_s and e.layers and e.layers >= full_depth(e)]
 
 
 def shortest_context(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -79,9 +79,9 @@ def shortest_context(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     context axis beside it (a row without a context counts as short)."""
     low: dict[tuple[int, int], int] = {}
     for e in rows:
-        key = (tp_of(e), e["concurrency"])
-        low[key] = min(low.get(key, e["context"] or 0), e["context"] or 0)
-    return [e for e in rows if (e["context"] or 0) == low[(tp_of(e), e["concurrency"])]]
+        key = (tp_of(e), e.concurrency)
+        low[key] = min(low.get(key, e.context or 0), e.context or 0)
+    return [e for e in rows if (e.context or 0) == low[(tp_of(e), e.concurrency)]]
 
 
 def full_model_rows(run: Run) -> dict[int, dict[str, Any]]:
@@ -93,9 +93,9 @@ def full_model_rows(run: Run) -> dict[int, dict[str, Any]]:
     tp = max(tp_of(e) for e in rows)
     out = {}
     for c in HEADLINE_CONCURRENCY:
-        at = [e for e in rows if tp_of(e) == tp and e["concurrency"] == c]
+        at = [e for e in rows if tp_of(e) == tp and e.concurrency == c]
         if at:
-            out[c] = max(at, key=lambda e: (e["tokens_per_s"], -e["budget"]))
+            out[c] = max(at, key=lambda e: (e.tokens_per_s, -e.budget))
     return out
 
 
@@ -103,7 +103,7 @@ def no_full_depth(run: Run) -> str:
     """Why a run has no deployment figure, in words ("" when it has one or has no e2e rows)."""
     if at_full_depth(run):
         return ""
-    depths = sorted({e["layers"] for e in run.rows("e2e") if e["layers"]})
+    depths = sorted({e.layers for e in run.rows("e2e") if e.layers})
     if not depths:
         return ""
     return (f"no full-depth e2e rows yet (the e2e rows here have {'/'.join(map(str, depths))} layers: "
@@ -118,20 +118,20 @@ def roofline_us(k: dict[str, Any], copy: float | None, mm: float | None) -> floa
     """A point's floor: max(bytes / copy bandwidth, flops / matmul rate) at the run's own ceilings (us)."""
     if not copy or not mm:
         return None
-    return max(k["bytes"] / (copy * 1e3), k["flops"] / (mm * 1e6))
+    return max(k.bytes / (copy * 1e3), k.flops / (mm * 1e6))
 
 
 def family_split(row: dict[str, Any]) -> dict[str, float] | None:
     """The step by kernel family, host time and comm (ms), where the row has the family split."""
-    if row.get("moe_ms") is None:
+    if row.moe_ms is None:
         return None
-    return {t: float(row.get(t) or 0.0) for t in FAMILY_TERMS}
+    return {t: float(getattr(row, t) or 0.0) for t in FAMILY_TERMS}
 
 
 def spread(k: dict[str, Any]) -> float:
-    if k.get("time_us_p10") is None or k.get("time_us_p90") is None:
+    if k.time_us_p10 is None or k.time_us_p90 is None:
         return 0.0
-    s = per(k["time_us_p90"] - k["time_us_p10"], k["time_us_p50"])
+    s = per(k.time_us_p90 - k.time_us_p10, k.time_us_p50)
     return s if math.isfinite(s) else 0.0
 
 
@@ -145,11 +145,11 @@ def group_by(rows: list[dict[str, Any]], key: Any) -> dict[Any, list[dict[str, A
 def point_labels(rows: Sequence[dict[str, Any]]) -> Callable[[dict[str, Any]], str]:
     """How an e2e point is named in the split, busy and comparison tables: its budget and
     concurrency, plus depth, TP degree, acceptance level and context where the rows differ in them."""
-    axes = [(name, get) for name, get in (("L", lambda e: e["layers"]), ("tp", tp_of),
-                                          ("a", lambda e: e["synthetic_accept"]), ("ctx", lambda e: e["context"]))
+    axes = [(name, get) for name, get in (("L", lambda e: e.layers), ("tp", tp_of),
+                                          ("a", lambda e: e.synthetic_accept), ("ctx", lambda e: e.context))
             if len({get(e) for e in rows}) > 1]
 
     def name(e: dict[str, Any]) -> str:
-        return " ".join([f"B={e['budget']} c={e['concurrency']}"] +
+        return " ".join([f"B={e.budget} c={e.concurrency}"] +
                         [f"{a}={'-' if get(e) is None else format(get(e), 'g')}" for a, get in axes])
     return name

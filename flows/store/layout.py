@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ValidationError
 
-from engine.rows import COLUMNS, rows_of
+from engine.rows import COLUMNS, table_rows
 from engine.schema import MAX_ROWS, TABLES
 from flows import REPO
 
@@ -90,7 +90,7 @@ def check_name(kind: str, value: str) -> str:
 def run_info(host: str, run_id: str, tables: dict[str, pa.Table]) -> RunInfo:
     """Summarise a run from its tables (checked by check_run_tables, the runs table included):
     complete only when every suite finished or was skipped."""
-    rows = rows_of(tables["runs"], "runs")
+    rows = table_rows(tables["runs"], "runs")
     sources = {r.source for r in rows}
     done = all(r.status in ("complete", "skipped") for r in rows)
     started = sorted(r.started_at for r in rows if r.started_at)
