@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, make_dataclass
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pyarrow as pa
 
 from engine import schema
-from engine.timing import Timing
+
+if TYPE_CHECKING:   # the controller reads rows without torch, which engine.timing imports
+    from engine.timing import Timing
 
 _PY = {pa.string(): str, pa.int64(): int, pa.float64(): float}
 
@@ -38,6 +40,7 @@ def _row_type(table: str) -> type:
 
 
 ROWS: dict[str, type] = {t: _row_type(t) for t in schema.TABLES}
+Row = Any   # an instance of one of ROWS' classes (made at import, so a type checker sees Any)
 RunRow, KernelRow, E2ERow, CommRow = (ROWS[t] for t in schema.TABLES)
 # Every column's name as an attribute (COLUMNS.reference_run_id == "reference_run_id"), for the few
 # places that must name a column as a string (an Arrow column read): a misspelt one is an

@@ -28,6 +28,7 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
+from engine.rows import COLUMNS, Row
 from engine.schema import CommSource
 from flows.analysis.bands import jackknife
 from flows.analysis.families import (POINT_KEY, SIZE_AXIS, e2e_key, host_side, label, point_key, preferred,
@@ -48,7 +49,7 @@ GOAL_KIND = {("composition", "e2e step", "e2e"): 0.05, ("tp", "e2e", "e2e"): 0.1
 GOAL_IN_BAND = 0.90
 STORED = "backtest/backtest.json"
 # the size backtest: held-out sizes (axis value >= cut) predicted from the smaller ones
-HOLD_OUT = {"M": 256, "context": 65536, "budget": 1024}
+HOLD_OUT = {COLUMNS.M: 256, COLUMNS.context: 65536, COLUMNS.budget: 1024}
 
 
 @dataclass(frozen=True)
@@ -104,9 +105,9 @@ def summarise(kind: str, ref: str, target: str, fam: str, reg: str, pairs: Seque
                        len(bands) - len(known), tuple(ratios), tuple(str(g) for *_, g in pairs))
 
 
-def _groups(rows: Sequence[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+def _groups(rows: Sequence[Row]) -> dict[tuple, list[Row]]:
     """e2e rows by configuration: the acceptance levels of one (tp, C, B, context, depth) are one group."""
-    out: dict[tuple, list[dict[str, Any]]] = {}
+    out: dict[tuple, list[Row]] = {}
     for r in rows:
         out.setdefault(e2e_key(r, without=("synthetic_accept",)), []).append(r)
     return out
@@ -154,7 +155,7 @@ def _line(xs: Sequence[float], ys: Sequence[float]) -> Callable[[float], float]:
 
 def depth(data: Dataset) -> list[BacktestRow]:
     rows = [r for r in rows_of(data.tables, "e2e") if r.source == "measured" and r.step_ms_p50]
-    groups: dict[tuple, list[dict[str, Any]]] = {}
+    groups: dict[tuple, list[Row]] = {}
     for r in rows:
         groups.setdefault(e2e_key(r, without=("layers",)), []).append(r)
     pairs: list[Pair] = []
@@ -175,7 +176,7 @@ def depth(data: Dataset) -> list[BacktestRow]:
 
 # -- size ----------------------------------------------------------------------------------------
 
-def _shape(p: dict[str, Any], fam: str) -> dict[str, float]:
+def _shape(p: Row, fam: str) -> dict[str, float]:
     return {a: float(getattr(p, a) or 0) for a in AXES[fam]}
 
 
@@ -183,7 +184,7 @@ def size(data: Dataset) -> list[BacktestRow]:
     kern = [k for k in rows_of(data.tables, "kernels") if k.source == "measured" and not host_side(k)]
     ceil = measured_ceilings(data.tables["runs"], data.machine.spec)
     out = []
-    fams: dict[str, list[dict[str, Any]]] = {}
+    fams: dict[str, list[Row]] = {}
     for k in kern:
         if k.kernel in SIZE_AXIS:
             fams.setdefault(label(k), []).append(k)
@@ -210,12 +211,13 @@ def size(data: Dataset) -> list[BacktestRow]:
     return out
 
 
-def trend(prev: list[dict[str, Any]], to: dict[str, Any], axis: str) -> tuple[float, float, float]:
+def trend(prev: list[Row], to: Row, axis: str) -> tuple[float, float, float]:
     """Time at `to` by the power law through the two largest of `prev` (sorted along `axis`)."""
     a, b = prev[-2], prev[-1]
     slope = math.log(b.time_us_p50 / a.time_us_p50) / math.log(getattr(b, axis) / getattr(a, axis))
     scale = (getattr(to, axis) / getattr(b, axis)) ** slope
-    return tuple(scale * (getattr(b, k) or b.time_us_p50) for k in ("time_us_p50", "time_us_p10", "time_us_p90"))  # type: ignore[return-value]
+    times = (b.time_us_p50, b.time_us_p10, b.time_us_p90)
+    return tuple(scale * (t or b.time_us_p50) for t in times)  # type: ignore[return-value]
 
 
 # -- tensor parallel -----------------------------------------------------------------------------
@@ -224,7 +226,7 @@ def tensor_parallel(data: Dataset) -> list[BacktestRow]:
     kern = [k for k in rows_of(data.tables, "kernels") if k.source == "measured" and not host_side(k)]
     ceil = measured_ceilings(data.tables["runs"], data.machine.spec)
     out = []
-    by_fam: dict[str, list[dict[str, Any]]] = {}
+    by_fam: dict[str, list[Row]] = {}
     for k in preferred(kern):
         if k.kernel in AXES:
             by_fam.setdefault(label(k), []).append(k)
@@ -253,7 +255,7 @@ def tensor_parallel(data: Dataset) -> list[BacktestRow]:
             s = answer(model, query_of(m), config_of(m))
             key = e2e_key(m, without=("synthetic_accept",))
             if m.comm_source == CommSource.MEASURED:   # a real N-GPU run: the whole step, comm included
-                real.append((m.step_ms_p50 + breakdown(m)["comm_ms"], s.step_ms + s.ms["comm"], key))
+                real.append((m.step_ms_p50 + breakdown(m)[COLUMNS.comm_ms], s.step_ms + s.ms["comm"], key))
             else:                                    # one rank on one GPU: its compute, comm left out
                 rank.append((m.step_ms_p50, s.step_ms, key))
         out.append(summarise("tp", data.name, data.name, f"e2e TP-{n} rank step", "e2e", rank,
@@ -291,7 +293,7 @@ def compare(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bo
     out = []
     at = POINT_KEY.index("impl")
     drop = lambda k: k[:at] + k[at + 1:] if relax_impl else k  # noqa: E731
-    got: dict[tuple, dict[str, Any]] = {}
+    got: dict[tuple, Row] = {}
     for p in preferred(rows_of(proj, "kernels")) if relax_impl else rows_of(proj, "kernels"):
         got.setdefault(drop(point_key(p)), p)
     fams: dict[str, list[Pair]] = {}

@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from engine.rows import table_rows
+from engine.rows import Row, table_rows
 from flows.inventory.hosts import Spec
 
 # All-reduce constants used when the reference has no comm measurement of its own.
@@ -124,7 +124,7 @@ class CommModel:
         return allreduce_us(nbytes, n, self.alpha_us, self.link_gbps * self.effs[which])
 
 
-def comm_model(comm_rows: list[dict[str, Any]], ref: Machine, target: Machine) -> CommModel:
+def comm_model(comm_rows: list[Row], ref: Machine, target: Machine) -> CommModel:
     """Alpha and link efficiency from the reference's all-reduce measurements, else defaults."""
     link = link_gbps(target.spec, target.interconnect)
     rows = [r for r in comm_rows

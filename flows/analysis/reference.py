@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from engine.rows import COLUMNS
 from engine.schema import SchemaError, check_values, provenance
 from flows.analysis.projection import Machine, ProjectionError, Tables, project, rows_of
 from flows.inventory.hosts import Inventory
@@ -122,7 +123,7 @@ def project_host(store: Store, inv: Inventory, target: str, reference: str = "h2
     ref, *more = [load_reference(store, inv, name) for name in (reference, *also)]
     tables = project(ref.tables, ref.machine, machine_of(inv, target),
                      also=[(d.tables, d.machine) for d in more], evidence=evidence)
-    run_id = tables["runs"].column("run_id")[0].as_py()
+    run_id = tables["runs"].column(COLUMNS.run_id)[0].as_py()
     store.put_tables(target, run_id, tables)
     return run_id
 

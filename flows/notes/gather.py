@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from engine.rows import COLUMNS
 from engine.schema import SchemaError, provenance
 from flows.analysis.assumptions import map_strings, parse
 from flows.analysis.backtest import stored_backtest
@@ -41,7 +42,7 @@ def outside_runs(store: Store, name: str) -> list[Run]:
     """Imported outside figures (published or otherwise) of a host, never counted as its measurements."""
     out = []
     for ref, tables in readable_references(store).items():
-        if is_outside(tables) and tables["runs"].column("host")[0].as_py() == name:
+        if is_outside(tables) and tables["runs"].column(COLUMNS.host)[0].as_py() == name:
             out.append(Run(ref, tables))
     return out
 
@@ -81,7 +82,7 @@ def gather(store: Store, inv: Inventory) -> list[HostView]:
     """
     names = set(inv.hosts) | {r.host for r in store.runs()}
     for tables in readable_references(store).values():
-        names.add(tables["runs"].column("host")[0].as_py())
+        names.add(tables["runs"].column(COLUMNS.host)[0].as_py())
     names = {n for n in names if _page_name(n)}  # a name becomes a file name under docs/notes/
     backtest = stored_backtest(store)
     views = []
@@ -92,7 +93,7 @@ def gather(store: Store, inv: Inventory) -> list[HostView]:
         try:
             view = HostView(name, host, spec, measured_runs(store, name), outside=outside_runs(store, name),
                             backtest=backtest,
-                            whatif=Run(grid["runs"].column("run_id")[0].as_py(), grid) if grid else None)
+                            whatif=Run(grid["runs"].column(COLUMNS.run_id)[0].as_py(), grid) if grid else None)
             if not view.measured:
                 view.projection = stored_projection(store, inv, name)
                 if view.projection is None:

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
+from engine.rows import Row
 from flows.analysis.assumptions import Assumption
 from flows.analysis.backtest import BacktestRow
 from flows.analysis.ceilings import rows_of
@@ -32,7 +33,7 @@ class Run:
             self._rows[table] = rows_of(self.tables, table)
         return self._rows[table]
 
-    def suite_row(self, suite: str) -> dict[str, Any] | None:
+    def suite_row(self, suite: str) -> Row | None:
         """The runs-table row of one suite of this run (None when the run did not include it)."""
         return next((r for r in self.rows("runs") if r.suite == suite), None)
 
@@ -41,7 +42,7 @@ class Run:
         return any(r.status == "partial" for r in self.rows("runs"))
 
     @property
-    def runs_row(self) -> dict[str, Any]:
+    def runs_row(self) -> Row:
         rows = self.rows("runs")
         kern = [r for r in rows if r.suite == "kernels"]
         return (kern or rows)[0]
@@ -111,7 +112,7 @@ class HostView:
         return {s: src for s in SUITES if (src := self.source(s)) is not None}
 
 
-def _tier(row: dict[str, Any]) -> int:
+def _tier(row: Row) -> int:
     """How well a suite's runs row stands for the host (lower is better): full and complete, full
     and skipped, any other complete or skipped profile (smoke), partial."""
     done = row.status in ("complete", "skipped")
@@ -123,7 +124,7 @@ def _tier(row: dict[str, Any]) -> int:
 def pick_source(runs: Sequence[Run], suite: str) -> Source | None:
     """The latest run (of `runs`, oldest first) holding the suite's best data: complete full-profile
     data whenever there is any, so a later smoke or partial run never displaces it."""
-    best: tuple[int, Run, dict[str, Any]] | None = None
+    best: tuple[int, Run, Row] | None = None
     for run in runs:
         row = run.suite_row(suite)
         if row is None or not run.rows(suite):

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from engine.rows import Row
 from flows.analysis.families import DENSE, host_side, label, regime, tp_of
 from flows.inventory.scrub import md
 from flows.notes.fmt import band_text, fmt, per, sig
@@ -63,7 +62,7 @@ def roofline_chart(view: HostView, run: Run) -> Roofline | None:
                     f"{view.name}: roofline ({view.kind})")
 
 
-def dense_table(kern: list[dict[str, Any]], copy: float | None, mm: float | None) -> Table | None:
+def dense_table(kern: list[Row], copy: float | None, mm: float | None) -> Table | None:
     """The dense GEMMs, a row per (op, TP degree): us at each M, and the best and worst share of the
     roofline (max(bytes / copy, flops / matmul) over the time) across M."""
     pts = [k for k in kern if k.kernel == DENSE and k.time_us_p50 > 0]

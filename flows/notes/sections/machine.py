@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.rows import COLUMNS
 from flows.inventory.scrub import md
 from flows.notes.fmt import sig
 from flows.notes.pages import SourceLine, Table
@@ -52,8 +53,8 @@ def environment(view: HostView) -> Table:
     if host:
         rows += [("GPUs", f"{host.gpus} on {host.interconnect}", *blank), ("inventory status", status_line(view), *blank)]
     if view.kind == "measured":
-        for key in ("gpu_name", "driver", "cuda", "torch", "triton", "python", "payload_hash", "device", "profile",
-                    "started_at"):
+        for key in (COLUMNS.gpu_name, COLUMNS.driver, COLUMNS.cuda, COLUMNS.torch, COLUMNS.triton, COLUMNS.python,
+                    COLUMNS.payload_hash, COLUMNS.device, COLUMNS.profile, COLUMNS.started_at):
             cells = tuple(md(getattr(run.runs_row, key) or "-") for run, _ in shown)
             if any(c != "-" for c in cells):
                 rows.append((key, *cells))
