@@ -75,6 +75,11 @@ class _Shape:
     def columns(self) -> dict[str, Any]:
         return {col: getattr(self, name) for name, col in self.COLUMNS.items()}
 
+    @classmethod
+    def of(cls, row: Any) -> Any:
+        """The shape a kernels row of this family stores (the inverse of `columns`): read by its names."""
+        return cls(**{name: getattr(row, col) for name, col in cls.COLUMNS.items()})
+
 
 @dataclass(frozen=True)
 class MoeShape(_Shape):

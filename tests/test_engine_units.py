@@ -180,6 +180,10 @@ def test_typed_rows_are_the_schema_columns_and_refuse_any_other() -> None:
     assert rows.DenseShape("o", 4, 7168, 1024, 1).columns() == {"op": "o", "M": 4, "N": 7168, "K": 1024, "batch": 1}
     for shape in (rows.MoeShape, rows.MlaShape, rows.TreeShape, rows.AcceptShape, rows.DenseShape):
         assert set(shape.COLUMNS.values()) <= set(schema.SCHEMAS["kernels"].names)
+    # a kernels row read back as its family's shape: the inverse of columns(), other columns ignored
+    for s in (rows.MoeShape(4, 256, 128, 16, 4), rows.MlaShape(2, 16, 1024, 8, 576), rows.TreeShape(1, 64, 16, 8),
+              rows.AcceptShape(2, 32), rows.DenseShape("o", 4, 7168, 1024, 1)):
+        assert type(s).of(rows.KernelRow(kernel="k", time_us_p50=1.0, tp=8, **s.columns())) == s
     assert schema.STATES["runs"]["status"] == tuple(schema.RunStatus) == ("complete", "partial", "skipped")
     assert schema.STATES["e2e"]["status"] == schema.STATES["comm"]["status"] == tuple(schema.PointStatus)
     table = schema.to_table("e2e", [rows.E2ERow(run_id="r", config="k2", device="cpu", concurrency=1, budget=16,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.rows import Row
+from engine.rows import DenseShape, Row
 from flows.analysis.families import DENSE, host_side, label, regime, tp_of
 from flows.inventory.scrub import md
 from flows.notes.fmt import band_text, fmt, per, sig
@@ -70,8 +70,11 @@ def dense_table(kern: list[Row], copy: float | None, mm: float | None) -> Table 
         return None
     ms = sorted({k.M for k in pts})
     rows = []
-    for (op, tp, n, k_, heads), group in sorted(group_by(pts, lambda k: (k.op or "-", tp_of(k), k.N, k.K,
-                                                                             k.batch or 1)).items()):
+    def key(k: Row) -> tuple:
+        s = DenseShape.of(k)
+        return s.op or "-", tp_of(k), s.out_features, s.in_features, s.heads or 1
+
+    for (op, tp, n, k_, heads), group in sorted(group_by(pts, key).items()):
         at = {k.M: k for k in group}
         roof = [max(k.bytes / (copy * 1e3), k.flops / (mm * 1e6)) / k.time_us_p50 * 100
                 for k in group] if copy and mm else []

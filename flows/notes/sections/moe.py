@@ -3,7 +3,7 @@ each shape as its own line (time per token; share of the copy and spec bandwidth
 
 from __future__ import annotations
 
-from engine.rows import Row
+from engine.rows import MoeShape, Row
 from flows.inventory.scrub import md
 from flows.notes.fmt import band_text, fmt, per, sig
 from flows.notes.pages import MoeTable, MoeView, Table
@@ -36,10 +36,11 @@ def moe_table(view: HostView, run: Run, pts: list[Row], tp: int) -> MoeTable:
             row[2:3] = [fmt(t), band_text(k.time_us_low, k.time_us_high),
                         f"{md(k.regime)} ({md(k.reference_regime)})"]
         rows.append(row)
-    p = pts[0]
-    inter = f", expert intermediate {p.N // 2} (gate_up N = {p.N}, down K = {p.N // 2})" if p.N else ""
+    s = MoeShape.of(pts[0])
+    inter = (f", expert intermediate {s.gate_up_rows // 2} (gate_up N = {s.gate_up_rows}, down K = "
+             f"{s.gate_up_rows // 2})" if s.gate_up_rows else "")
     title = "Full shapes" if tp == 1 else f"TP-{tp} shard shapes (one rank of a TP-{tp} deployment)"
-    shape = f"E={p.E} routed experts, top-{p.top_k}, H={p.K}{inter}"
+    shape = f"E={s.experts} routed experts, top-{s.top_k}, H={s.hidden}{inter}"
     return MoeTable(title, shape, md(impls_of(pts)), plateau_m(pts), Table.of(head, rows))
 
 
