@@ -17,12 +17,11 @@ from flows import REPO
 COLUMNS = {n for s in SCHEMAS.values() for n in s.names}
 KEY_CALLS = {"get", "pop", "setdefault", "column", "select", "drop_columns", "sort_by", "append_column",
              "set_column", "field", "get_field_index"}
-ALL = None  # every column name: the module is not on typed rows yet
+ALL = None  # every column name is allowed there
 
 _TERM = "the step model's term 'host' (flows.analysis.stepmodel.TERMS: host time), not the column"
 _PROV_KEYS = frozenset({"run_id", "host", "gpu_name", "gpu_count", "arch", "device", "started_at", "ended_at",
                         "reference_run_id"})
-_EVENT = "progress events: JSON a host printed (a row's set columns, untrusted, partial), not a table row"
 _PROV = "provenance: a file's metadata JSON (engine.schema.PROVENANCE_KEYS and an import's own keys), not a row"
 _FACTS = "a host's probe facts (JSON the host answered, keyed by engine.schema.PROVENANCE_KEYS), not a table row"
 # module -> (the names allowed there, or ALL; why)
@@ -41,8 +40,8 @@ EXCEPTIONS: dict[str, tuple[frozenset[str] | None, str]] = {
     "flows/notes/summary.py": (frozenset({"impl"}), _PROV),
     "flows/notes/sections/projected.py": (frozenset({"bytes"}), "a TpCarry.how word (how rows were re-sharded)"),
     "flows/cli/project.py": (frozenset({"tp", "concurrency", "context", "budget"}), "the command's option names"),
-    "flows/pipelines/progress.py": (ALL, _EVENT),
-    "flows/pipelines/tasks.py": (frozenset({"points", "status"}), _EVENT),
+    "flows/pipelines/tasks.py": (frozenset({"points", "status"}),
+                                 "a build.json kernel's status and the flow's own tally of a suite's points, not rows"),
     "flows/transport/probe.py": (ALL, _FACTS),
     "flows/cli/hosts.py": (ALL, _FACTS),
     "flows/pipelines/bench.py": (frozenset({"host", "run_id", "profile"}),
@@ -79,7 +78,8 @@ def spelled(source: str) -> list[tuple[int, str]]:
 
 
 def test_the_rule_sees_a_column_spelled_as_a_key_and_not_one_read_as_an_attribute() -> None:
-    assert spelled('t = r["time_us_p50"] + r.get("host_us", 0)\nk = {"M": 1}\nx = ("kernel", "impl")\ny = ("kernel", "why")') == \
+    assert spelled('t = r["time_us_p50"] + r.get("host_us", 0)\nk = {"M": 1}\nx = ("kernel", "impl")\n'
+                   'y = ("kernel", "why")') == \
         [(1, "host_us"), (1, "time_us_p50"), (2, "M"), (3, "impl"), (3, "kernel")]
     assert spelled("t = r.time_us_p50\nc = tab.column(COLUMNS.reference_run_id)\nn = line('M')\n"
                    "s = ('kernels',)") == []
