@@ -117,42 +117,19 @@ class PassConfig:
         """Whether a stage holds every token an expert can get at M = m (at most m, at most a block's)."""
         return self.tokens >= min(self.slots, m)
 
-    def halves(self, n: int) -> bool:
-        """Whether each CTA's rows lie in one half of n (gate_up: the gate rows, then the up rows), as
-        the SiLU fold needs: a range's gate CTA and up CTA are then tiles y and y + tiles / 2."""
-        return (n // 2) % (self.rows * self.span) == 0
-
 
 @dataclass(frozen=True)
 class Bucket:
-    """One M bucket's configs: the two passes, and which of the small kernels they fold in (the
-    gate_up pass's last CTA a range does moe_silu_prep's work there, the down pass's moe_sum's: fewer
-    launches, the same bits; kernels/moe_w4a16.cu's top says how)."""
-
     gate_up: PassConfig
     down: PassConfig
-    fold_silu: bool = False
-    fold_sum: bool = False
-
-    @property
-    def folds(self) -> tuple[str, ...]:
-        return fold_names(self.fold_silu, self.fold_sum)
-
-
-def fold_names(silu: bool, sum_: bool) -> tuple[str, ...]:
-    """The folded kernels' short names, as the tables and records spell them ("silu", "sum")."""
-    return tuple(n for n, on in (("silu", silu), ("sum", sum_)) if on)
 
 
 Table = dict[str, dict[int, Bucket]]  # shape class ("full", "shard") -> the largest M of the bucket -> configs
 
 
-def _b(gate_up: tuple[str, int, int], down: tuple[str, int, int], folds: tuple[str, ...] = ()) -> Bucket:
-    """A bucket from (kernel, span, k_chunk) of each pass and the kernels it folds in ("silu", "sum"):
-    the table below stays one line a bucket."""
-    if bad := set(folds) - {"silu", "sum"}:
-        raise ValueError(f"unknown folds {sorted(bad)} (silu, sum)")
-    return Bucket(PassConfig.of(*gate_up), PassConfig.of(*down), "silu" in folds, "sum" in folds)
+def _b(gate_up: tuple[str, int, int], down: tuple[str, int, int]) -> Bucket:
+    """A bucket from (kernel, span, k_chunk) of each pass: the table below stays one line a bucket."""
+    return Bucket(PassConfig.of(*gate_up), PassConfig.of(*down))
 
 
 # Picked from whole-MoE timings of candidate configs on an H200 (kernels/NOTES.md: the opening
@@ -272,8 +249,6 @@ class Choice:
     bucket: int  # the largest M it serves (the last bucket: every M above too)
     gate_up: PassChoice
     down: PassChoice
-    fold_silu: bool = False  # the bucket's folds, where the passes chosen allow them (Bucket's)
-    fold_sum: bool = False
 
     @property
     def cuda(self) -> bool:
@@ -283,7 +258,7 @@ class Choice:
     def configs(self) -> Bucket:
         if not self.cuda:
             raise ValueError(f"bucket M <= {self.bucket} runs the Triton kernel here: {self.why()}")
-        return Bucket(self.gate_up.config, self.down.config, self.fold_silu, self.fold_sum)
+        return Bucket(self.gate_up.config, self.down.config)
 
     def why(self) -> str:
         return f"gate_up: {self.gate_up.reason}; down: {self.down.reason}"
@@ -303,14 +278,13 @@ class Choice:
                 "reason": p.reason}
         return {"shape": self.shape, "bucket_max_m": self.bucket, "table": self.table,
                 "impl": "cuda" if self.cuda else "triton", "table_pick": self.table_pick, "gate_up": one(self.gate_up, k_gu),
-                "down": one(self.down, k_dn), "folds": list(fold_names(self.fold_silu, self.fold_sum))}
+                "down": one(self.down, k_dn)}
 
 
 def choose(table_key: str, shape: str, bucket: int, n_gu: int, k_gu: int, n_dn: int, k_dn: int,
            limits: DeviceLimits, resources: Callable[[str], KernelResources]) -> Choice:
     """Each pass of `bucket`: the table's pick where it fits the device, else the pick of the next
     smaller bucket that tiles the shape, holds every M of this bucket and fits; else none (Triton).
-    The bucket's folds go with it, the SiLU fold only where the chosen gate_up's tiles halve its rows.
     `resources(kernel name)` gives a compiled kernel's registers and static shared memory."""
     table = CUDA_CONFIGS[table_key][shape]
     last = max(table)
@@ -336,6 +310,4 @@ def choose(table_key: str, shape: str, bucket: int, n_gu: int, k_gu: int, n_dn: 
             first_why = first_why or why
         return PassChoice(None, f"{first_why}, and no smaller bucket's pick fits: the Triton kernel runs")
 
-    gu, dn, pick = one("gate_up", n_gu, k_gu), one("down", n_dn, k_dn), table[bucket]
-    return Choice(table_key, shape, bucket, gu, dn, pick.fold_silu and gu.config is not None and gu.config.halves(n_gu),
-                  pick.fold_sum)
+    return Choice(table_key, shape, bucket, one("gate_up", n_gu, k_gu), one("down", n_dn, k_dn))

@@ -6,12 +6,9 @@ projection one GEMM pass writing partials per K split (fp32 for gate_up, bf16 fo
 weighted per-slot outputs, as vLLM's fused MoE keeps them), on activations permuted to the
 dequant's pairs and their group sums (prepared by the align launch for gate_up, by moe_silu_prep,
 which also applies SiLU x up, for down); moe_sum adds the down partials over the splits and top-k
-in fp32, in a fixed order. Where the M bucket says so (kernels/moe_configs.py: Bucket's folds), the
-gate_up pass does moe_silu_prep's work and the down pass moe_sum's (the last CTA of each range, in
-the same order: the same bits), so a call is three to five launches. Weights stay in K2's own
-layout (kernels/int4.py): nothing is repacked. On sm_90 and later the launches are programmatic
-dependent launches (moe_w4a16.cu's top says how they wait), so each kernel's CTAs start while the
-one before drains.
+in fp32, in a fixed order. Weights stay in K2's own layout (kernels/int4.py): nothing is repacked. On sm_90
+and later the five launches are programmatic dependent launches (moe_w4a16.cu's top says how they
+wait), so each kernel's CTAs start while the one before drains.
 
 `unavailable_reason(device)` says why this host cannot run it (no nvcc, the cubin does not build),
 None when it can. The configs come from kernels/moe_configs.py's table for the device's arch, each
@@ -141,8 +138,6 @@ def _why_not(key: Key, configs: Bucket | None) -> str | None:
               misfit(c, k, limits, kernel_resources(index, c.kernel))
         if why is not None:
             return f"{name} {c.kernel}: {why}"
-    if configs.fold_silu and not configs.gate_up.halves(two_i):
-        return f"gate_up {configs.gate_up.kernel} (span {configs.gate_up.span}): its tiles straddle the gate and up rows (no SiLU fold)"
     return None
 
 
@@ -165,18 +160,14 @@ def _module(device: torch.device, sweep: bool = False) -> cuda_build.Module:
 # Base pointers of a call, in the order _Call's argument slots name them (0: no base, a plain value)
 _BASES = ("", "workspace", "x", "w13_q", "w13_s", "w2_q", "w2_s", "ids", "tw", "out")
 _ALIGN = 256  # bytes: each workspace buffer starts on its own 256-byte boundary
-# A workspace up to this size rides behind the output in one allocation (one allocator call fewer a
-# call) and is held as long as the output is; a larger one (large M) is allocated apart, freed when the call returns.
-TAIL_MAX_BYTES = 16 << 20
 
 
 class _Call:
     """One call shape set up once: the workspace's layout, every launch with its arguments. A call
-    then allocates the output (with the workspace behind it where that is small: one allocation),
-    fills nine base pointers into the argument slots (one numpy add) and makes the launches:
-    moe_align (the block table; its CTAs past the first prepare x and zero the fold counters), a
-    second moe_align when the passes' block sizes differ, gate_up, moe_silu_prep (SiLU x up,
-    prepared for down) unless gate_up folds it in, down, moe_sum unless down folds it in."""
+    then allocates the workspace and the output, fills nine base pointers into the argument slots
+    (one numpy add) and makes the launches: moe_align (the block table; its CTAs past the first
+    prepare x), a second moe_align when the passes' block sizes differ, gate_up, moe_silu_prep (SiLU
+    x up, prepared for down), down, moe_sum."""
 
     def __init__(self, index: int, m: int, h: int, e: int, inter: int, topk: int, cfg: Bucket) -> None:
         dev = torch.device("cuda", index)
@@ -206,38 +197,26 @@ class _Call:
         gu, hp, hs = buf(4 * gu_splits * s * 2 * inter), buf(2 * s * inter), buf(2 * s * inter // 16)
         dn = buf(2 * dn_splits * s * h)
         null = val(0)
-        # the fold counters (ints): gate_up's a (block, intermediate range), then down's a (token, column range)
-        self.counters = fold_counters(cfg, m, h, inter, ub_gu)
-        n_silu, n_sum = self.counters
-        ctr = buf(4 * (n_silu + n_sum)) if n_silu + n_sum else null
-        ctr_silu = ctr if n_silu else null
-        ctr_sum = (1, ctr[1] + 4 * n_silu) if n_sum else null
 
         def gemm(c: PassConfig, a: list, wq: str, ws: str, part: tuple[int, int], tab: list, ub: int,
-                 n: int, k: int, rows_per_slot: int, down: bool, fold: list) -> tuple:
+                 n: int, k: int, rows_per_slot: int, down: bool) -> tuple:
             grid = (ub, n // (c.rows * c.span), c.splits(k))
             args = [*a, base[wq], base[ws], part, base["tw"], *tab, val(s), val(n), val(k), val(min(c.k_chunk, k)),
-                    val(c.span), val(rows_per_slot), val(e), val(down), val(down),  # weighted, early: the down pass
-                    *fold, val(topk)]
+                    val(c.span), val(rows_per_slot), val(e), val(down), val(down)]  # weighted, early: the down pass
             return c.kernel, grid, c.threads, c.smem_bytes(k), args
 
-        nctr = n_silu + n_sum
-        specs = [("moe_align", (1 + triton.cdiv(max(m * h // 8, nctr), 1024),), 1024, 0,
+        specs = [("moe_align", (1 + triton.cdiv(m * h // 8, 1024),), 1024, 0,
                   [base["ids"], val(s), val(e), val(gu_cfg.slots), val(ub_gu), *tab_gu, base["x"], val(m), val(h),
-                   xp, xs, ctr, val(nctr)])]
+                   xp, xs])]
         if tab_dn is not tab_gu:
             specs.append(("moe_align", (1,), 1024, 0, [base["ids"], val(s), val(e), val(dn_cfg.slots), val(ub_dn),
-                                                       *tab_dn, null, val(0), val(0), null, null, null, val(0)]))
-        specs.append(gemm(gu_cfg, [xp, xs], "w13_q", "w13_s", gu, tab_gu, ub_gu, 2 * inter, h, topk, False,
-                          [ctr_silu, hp, hs] if n_silu else [null, null, null]))
-        if not n_silu:
-            specs.append(("moe_silu_prep", (triton.cdiv(s * inter // 8, 256),), 256, 0,
-                          [gu, val(gu_splits), val(s), val(inter), hp, hs]))
-        specs.append(gemm(dn_cfg, [hp, hs], "w2_q", "w2_s", dn, tab_dn, ub_dn, h, inter, 1, True,
-                          [ctr_sum, base["out"], null] if n_sum else [null, null, null]))
-        if not n_sum:
-            specs.append(("moe_sum", (triton.cdiv(m * h // 4, 256),), 256, 0,
-                          [dn, val(dn_splits), val(s), val(m), val(h), val(topk), base["out"]]))
+                                                       *tab_dn, null, val(0), val(0), null, null]))
+        specs += [gemm(gu_cfg, [xp, xs], "w13_q", "w13_s", gu, tab_gu, ub_gu, 2 * inter, h, topk, False),
+                  ("moe_silu_prep", (triton.cdiv(s * inter // 8, 256),), 256, 0,
+                   [gu, val(gu_splits), val(s), val(inter), hp, hs]),
+                  gemm(dn_cfg, [hp, hs], "w2_q", "w2_s", dn, tab_dn, ub_dn, h, inter, 1, True),
+                  ("moe_sum", (triton.cdiv(m * h // 4, 256),), 256, 0,
+                   [dn, val(dn_splits), val(s), val(m), val(h), val(topk), base["out"]])]
         slots = [a for *_, args in specs for a in args]
         self._which = np.array([b for b, _ in slots], dtype=np.intp)
         self._offset = np.array([o for _, o in slots], dtype=np.int64)
@@ -247,7 +226,6 @@ class _Call:
             view = self._args[at:at + len(args)]
             self.launches.append(cuda_build.Launch(mod.kernel(name), grid, block, smem, view, pdl))
             at += len(args)
-        self.tail_rows = tail_rows(self.ws_bytes, h)
 
     def __call__(self, pointers: tuple[int, ...]) -> None:
         """Fill in the call's base pointers (in _BASES order) and launch on torch's current stream."""
@@ -255,21 +233,6 @@ class _Call:
         stream = cuda_build.current_stream(self.index)
         for launch in self.launches:
             launch(stream)
-
-
-def tail_rows(ws_bytes: int, h: int) -> int:
-    """Rows of h bf16 behind the output's that hold a workspace of `ws_bytes`, where it is small enough
-    to live as long as the output does (TAIL_MAX_BYTES); 0: it is allocated apart."""
-    return -(-ws_bytes // (2 * h)) if ws_bytes <= TAIL_MAX_BYTES else 0
-
-
-def fold_counters(cfg: Bucket, m: int, h: int, inter: int, blocks: int) -> tuple[int, int]:
-    """(the SiLU fold's counters, the sum fold's) of a call: one a (gate_up block of the `blocks` in
-    its table, intermediate range of one gate_up CTA), one a (token, column range of one down CTA);
-    0 where the bucket does not fold."""
-    gu, dn = cfg.gate_up, cfg.down
-    return (blocks * inter // (gu.rows * gu.span) if cfg.fold_silu else 0,
-            m * (h // (dn.rows * dn.span)) if cfg.fold_sum else 0)
 
 
 _calls = threading.local()  # per thread: a _Call's argument buffer is written by each call
@@ -304,13 +267,8 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
         topk_ids.to(torch.int64).contiguous()
     tw = topk_weights if topk_weights.dtype == torch.float32 and topk_weights.is_contiguous() else \
         topk_weights.float().contiguous()
-    if call.tail_rows:
-        held = torch.empty(x.shape[0] + call.tail_rows, x.shape[1], dtype=x.dtype, device=x.device)
-        out = held[:x.shape[0]]
-        ws = out.data_ptr() + out.nbytes  # whole rows of h bf16: 512-byte aligned (h % 256 == 0)
-    else:
-        out, held = torch.empty_like(x), torch.empty(call.ws_bytes, dtype=torch.uint8, device=x.device)
-        ws = held.data_ptr()
-    call((0, ws, x.data_ptr(), w13_q.data_ptr(), w13_s.data_ptr(), w2_q.data_ptr(), w2_s.data_ptr(),
+    ws = torch.empty(call.ws_bytes, dtype=torch.uint8, device=x.device)
+    out = torch.empty_like(x)
+    call((0, ws.data_ptr(), x.data_ptr(), w13_q.data_ptr(), w13_s.data_ptr(), w2_q.data_ptr(), w2_s.data_ptr(),
           ids.data_ptr(), tw.data_ptr(), out.data_ptr()))
     return out

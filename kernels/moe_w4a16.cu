@@ -26,18 +26,14 @@
 // The activations come permuted within each word, (0, 4, 1, 5, 2, 6, 3, 7), to match the pairs.
 // Weights, scales, activations and group sums stream through a STAGES-deep cp.async ring of H K
 // steps a stage, running on from one tile to the next.
-// No atomics on the data; the partials are combined in a fixed order (moe_sum): bit-identical outputs.
-// A bucket may fold moe_sum into the down pass and moe_silu_prep into the gate_up pass: a counter a
-// range (zeroed by moe_align) counts the CTAs that wrote its partials (threadfence, then one atomic
-// add each), and the CTA that completes it combines the range exactly as the folded kernel does
-// (silu_word, sum_quad: the same code, the same order), so the bits do not depend on the fold.
+// No atomics; the partials are combined in a fixed order (moe_sum): bit-identical outputs.
 //
-// The launches of a MoE call (moe_align, gate_up, moe_silu_prep, down, moe_sum; three where both
-// folds apply) are programmatic dependent launches on sm_90 on: each kernel lets the next one's CTAs
-// start once all of its own have started (launch_dependents) and waits for the one before it to
-// finish (griddepcontrol.wait) before it reads what that one wrote. The down pass reads its block
-// table (written by moe_align, finished before gate_up's wait returned) and copies its first weight
-// stages before it waits, so they stream while the kernel before it drains.
+// The five launches of a MoE call (moe_align, gate_up, moe_silu_prep, down, moe_sum) are
+// programmatic dependent launches on sm_90 on: each kernel lets the next one's CTAs start once all
+// of its own have started (launch_dependents) and waits for the one before it to finish
+// (griddepcontrol.wait) before it reads what that one wrote. The down pass reads its block table
+// (written by moe_align, three launches back, finished before gate_up's wait returned) and copies
+// its first weight stages before it waits, so they stream while the SiLU kernel drains.
 #include <cstdint>
 
 namespace {
@@ -120,74 +116,6 @@ __device__ __forceinline__ uint16_t bf16_rn(float f) {
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-// The activations as moe_gemm reads them, one 8-element word v (natural order) of row `row`, word
-// w of K / 8: xp gets the word's elements in the order (0, 4, 1, 5, 2, 6, 3, 7) (the pairs the
-// dequant makes), and per row and K step of 256 the 8 group sums X (fp32 sums of 32 elements) go
-// to xs as 16 bf16, (hi(X_2i), hi(X_2i+1), lo(X_2i), lo(X_2i+1)) for i = 0..3 with hi = bf16(X),
-// lo = bf16(X - hi): the B fragment of the offset MMA. A group's 4 words are 4 adjacent lanes of
-// one warp, all 32 lanes present for the shuffles (K % 256 == 0, whole rows per warp); a lane not
-// `live` (past the words of a fold's range) stores nothing.
-__device__ __forceinline__ void emit_word(uint4 v, long long row, int w, int K, uint16_t* __restrict__ xp,
-                                          uint16_t* __restrict__ xs, bool live = true) {
-  uint4 p;
-  p.x = __byte_perm(v.x, v.z, 0x5410);
-  p.y = __byte_perm(v.x, v.z, 0x7632);
-  p.z = __byte_perm(v.y, v.w, 0x5410);
-  p.w = __byte_perm(v.y, v.w, 0x7632);
-  if (live) *reinterpret_cast<uint4*>(xp + row * K + w * 8) = p;
-  float sum = bf16_lo(v.x) + bf16_hi(v.x) + bf16_lo(v.y) + bf16_hi(v.y) + bf16_lo(v.z) + bf16_hi(v.z) +
-              bf16_lo(v.w) + bf16_hi(v.w);
-  sum += __shfl_xor_sync(~0u, sum, 1);
-  sum += __shfl_xor_sync(~0u, sum, 2);
-  if (live && (w & 3) == 0) {
-    const int grp = (w >> 2) & 7;  // group within the step
-    const uint16_t hi = bf16_rn(sum);
-    uint16_t* rec = xs + row * (K / 16) + (w >> 5) * 16 + 4 * (grp >> 1) + (grp & 1);
-    rec[0] = hi;
-    rec[2] = bf16_rn(sum - __uint_as_float(static_cast<uint32_t>(hi) << 16));
-  }
-}
-
-// h = silu(gate) * up of word w (8 elements) of slot `row`, from the gate_up partials part[split,
-// slot, 2I] summed over the splits in order, as bf16 pairs. Read through L2 (__ldcg): where the
-// gate_up pass folds it in, other CTAs wrote them.
-__device__ __forceinline__ uint4 silu_word(const float* __restrict__ part, int splits, int S, int I, long long row,
-                                           int w) {
-  float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, u[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int sp = 0; sp < splits; ++sp) {
-    const float* base = part + (sp * (long long)S + row) * (2 * I) + w * 8;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float4 a = __ldcg(reinterpret_cast<const float4*>(base + 4 * h));
-      const float4 b = __ldcg(reinterpret_cast<const float4*>(base + I + 4 * h));
-      g[4 * h] += a.x, g[4 * h + 1] += a.y, g[4 * h + 2] += a.z, g[4 * h + 3] += a.w;
-      u[4 * h] += b.x, u[4 * h + 1] += b.y, u[4 * h + 2] += b.z, u[4 * h + 3] += b.w;
-    }
-  }
-  uint32_t o[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float h0 = g[2 * i] / (1.f + expf(-g[2 * i])) * u[2 * i];
-    const float h1 = g[2 * i + 1] / (1.f + expf(-g[2 * i + 1])) * u[2 * i + 1];
-    o[i] = bf16_rn(h0) | static_cast<uint32_t>(bf16_rn(h1)) << 16;
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
-// out[m, c .. c + 3] as bf16: the down partials part[split, m * topk + j, n] (bf16) summed in fp32
-// over the splits, then over j, in that fixed order; read through L2 like silu_word's.
-__device__ __forceinline__ uint2 sum_quad(const uint16_t* __restrict__ part, int splits, int S, int N, int topk,
-                                          long long m, int c) {
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int sp = 0; sp < splits; ++sp)
-    for (int j = 0; j < topk; ++j) {
-      const uint2 v = __ldcg(reinterpret_cast<const uint2*>(part + (sp * (long long)S + m * topk + j) * N + c));
-      acc.x += bf16_lo(v.x), acc.y += bf16_hi(v.x), acc.z += bf16_lo(v.y), acc.w += bf16_hi(v.y);
-    }
-  return make_uint2(bf16_rn(acc.x) | static_cast<uint32_t>(bf16_rn(acc.y)) << 16,
-                    bf16_rn(acc.z) | static_cast<uint32_t>(bf16_rn(acc.w)) << 16);
-}
-
 // Shared-memory stage: H sub-steps of one K step each, a sub-step = weights [STRIPS][16 rows][8
 // group chunks, swizzled by row % 8] uint4 (W bytes), scales [STRIPS][16 rows][8] bf16 (S),
 // activations [TA][AROW bytes] (natural order, A), group sums [TA][XREC bytes] (X; unread by SC), the
@@ -211,18 +139,11 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
                                          const int* __restrict__ slots, const int* __restrict__ seg,
                                          const int* __restrict__ cnt, const int* __restrict__ bexp,
                                          const int* __restrict__ bms, int S, int N, int K, int KS, int span,
-                                         int a_rows_per_slot, int E, int weighted, int early,
-                                         int* __restrict__ ctr, uint16_t* __restrict__ o1,
-                                         uint16_t* __restrict__ o2, int topk) {
+                                         int a_rows_per_slot, int E, int weighted, int early) {
   constexpr int TN = St::TN;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int slot_of[TN];
-  // arow: each slot's activation row, read while the copy addresses are set up; fin: the fold's
-  // results of the arrivals, after the last store
-  __shared__ union {
-    long long arow[TN];
-    int fin[TN];
-  } tab;
+  __shared__ long long arow_of[TN];
 
   // early: the table was complete before this launch (see the top), read through L2 (__ldcg: no
   // stale L1 line of an earlier call's table), and the first weight stages go before the wait
@@ -236,7 +157,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
   if (tid < TN) {
     const int s = tid < nvalid ? __ldcg(slots + __ldcg(seg + e) + mstart + tid) : -1;
     slot_of[tid] = s;
-    tab.arow[tid] = s >= 0 ? s / a_rows_per_slot : 0;
+    arow_of[tid] = s >= 0 ? s / a_rows_per_slot : 0;
   }
   __syncthreads();
 
@@ -292,11 +213,11 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
 #pragma unroll
   for (int i = 0; i < ACH; ++i) {
     const int c = tid + i * WARPS * 32, tok = c >> 5, ch = c & 31;  // chunk ch: the activations of word ch
-    asrc[i] = tok < nvalid ? a + tab.arow[tok] * K + kbeg + ch * 8 : nullptr;  // padded tokens: left stale,
+    asrc[i] = tok < nvalid ? a + arow_of[tok] * K + kbeg + ch * 8 : nullptr;  // padded tokens: left stale,
     adst[i] = sm0 + St::W_BYTES + St::S_BYTES + tok * AROW + ch * 16;       // their outputs are never stored
   }
   const int xtok = tid >> 1;  // threads 0 .. 2 TA - 1 copy the group sums, 16 bytes each
-  const uint16_t* xsrc = !SC && tid < 2 * TA && xtok < nvalid ? xs + tab.arow[xtok] * ldx + kbeg / 16 + (tid & 1) * 8
+  const uint16_t* xsrc = !SC && tid < 2 * TA && xtok < nvalid ? xs + arow_of[xtok] * ldx + kbeg / 16 + (tid & 1) * 8
                                                        : nullptr;
   const uint32_t xdst = sm0 + St::W_BYTES + St::S_BYTES + St::A_BYTES + tid * 16;
 
@@ -463,52 +384,35 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
     }
   }
   cp_wait<0>();
-  if (ctr == nullptr) return;
-  // The fold (where the bucket asks for it, kernels/moe_cuda.py passes ctr: counters this call's
-  // moe_align zeroed): the CTA whose arrival completes a counter does, for that counter's range,
-  // what the next launch (moe_sum, moe_silu_prep) would have, in the same order: the same bits.
-  __threadfence();  // this thread's partials are visible to every CTA before its arrival counts them
-  __syncthreads();
-  const int cols = BN * span;  // the CTA's output rows: n0 ..
-  if (weighted) {
-    // down: a counter per (token, column range) counts the token's top-k slots x the K splits
-    if (tid < TN) {
-      int mine = -1;
-      if (tid < nvalid) {
-        const int m = slot_of[tid] / topk;
-        if (atomicAdd(ctr + m * gridDim.y + blockIdx.y, 1) == topk * (int)gridDim.z - 1) mine = m;
-      }
-      tab.fin[tid] = mine;
-    }
-    __syncthreads();
-    __threadfence();
-    for (int i = 0; i < nvalid; ++i) {
-      const int m = tab.fin[i];
-      if (m < 0) continue;
-      for (int q = tid; q < cols / 4; q += WARPS * 32)
-        *reinterpret_cast<uint2*>(o1 + (long long)m * N + n0 + 4 * q) =
-            sum_quad(static_cast<const uint16_t*>(part), gridDim.z, S, N, topk, m, n0 + 4 * q);
-    }
-  } else {
-    // gate_up: tiles y < half are gate rows, y + half the up rows of the same range; a counter per
-    // (block, range) counts both tiles x the K splits; the last finishes the block's slots' words of
-    // h = silu(gate) x up there (moe_silu_prep's, for these words)
-    const int half = gridDim.y / 2;
-    if (tid == 0) tab.fin[0] = atomicAdd(ctr + blockIdx.x * half + blockIdx.y % half, 1) == 2 * (int)gridDim.z - 1;
-    __syncthreads();
-    if (!tab.fin[0]) return;
-    __threadfence();
-    const int I = N / 2, wpr = cols / 8, w0 = (blockIdx.y % half) * wpr, words = nvalid * wpr;
-    for (int base = 0; base < words; base += WARPS * 32) {  // whole warps: emit_word's shuffles
-      const int f = base + tid, i = f < words ? f / wpr : 0, w = w0 + f % wpr;
-      const long long row = slot_of[i];
-      const uint4 v = f < words ? silu_word(static_cast<const float*>(part), gridDim.z, S, I, row, w)
-                                : make_uint4(0, 0, 0, 0);
-      emit_word(v, row, w, I, o1, o2, f < words);
-    }
-  }
 }
 
+
+// The activations as moe_gemm reads them, one 8-element word v (natural order) of row `row`, word
+// w of K / 8: xp gets the word's elements in the order (0, 4, 1, 5, 2, 6, 3, 7) (the pairs the
+// dequant makes), and per row and K step of 256 the 8 group sums X (fp32 sums of 32 elements) go
+// to xs as 16 bf16, (hi(X_2i), hi(X_2i+1), lo(X_2i), lo(X_2i+1)) for i = 0..3 with hi = bf16(X),
+// lo = bf16(X - hi): the B fragment of the offset MMA. A group's 4 words are 4 adjacent lanes of
+// one warp, all 32 lanes live (K % 256 == 0, whole rows per warp).
+__device__ __forceinline__ void emit_word(uint4 v, long long row, int w, int K, uint16_t* __restrict__ xp,
+                                          uint16_t* __restrict__ xs) {
+  uint4 p;
+  p.x = __byte_perm(v.x, v.z, 0x5410);
+  p.y = __byte_perm(v.x, v.z, 0x7632);
+  p.z = __byte_perm(v.y, v.w, 0x5410);
+  p.w = __byte_perm(v.y, v.w, 0x7632);
+  *reinterpret_cast<uint4*>(xp + row * K + w * 8) = p;
+  float sum = bf16_lo(v.x) + bf16_hi(v.x) + bf16_lo(v.y) + bf16_hi(v.y) + bf16_lo(v.z) + bf16_hi(v.z) +
+              bf16_lo(v.w) + bf16_hi(v.w);
+  sum += __shfl_xor_sync(~0u, sum, 1);
+  sum += __shfl_xor_sync(~0u, sum, 2);
+  if ((w & 3) == 0) {
+    const int grp = (w >> 2) & 7;  // group within the step
+    const uint16_t hi = bf16_rn(sum);
+    uint16_t* rec = xs + row * (K / 16) + (w >> 5) * 16 + 4 * (grp >> 1) + (grp & 1);
+    rec[0] = hi;
+    rec[2] = bf16_rn(sum - __uint_as_float(static_cast<uint32_t>(hi) << 16));
+  }
+}
 
 }  // namespace
 
@@ -524,7 +428,25 @@ extern "C" __global__ void __launch_bounds__(256)
   if (f >= S * words) return;  // I % 256 == 0: whole warps leave
   const long long row = f / words;
   const int w = static_cast<int>(f - row * words);
-  emit_word(silu_word(part, splits, S, I, row, w), row, w, I, hp, hs);
+  float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, u[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int sp = 0; sp < splits; ++sp) {
+    const float* base = part + (sp * (long long)S + row) * (2 * I) + w * 8;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float4 a = *reinterpret_cast<const float4*>(base + 4 * h);
+      const float4 b = *reinterpret_cast<const float4*>(base + I + 4 * h);
+      g[4 * h] += a.x, g[4 * h + 1] += a.y, g[4 * h + 2] += a.z, g[4 * h + 3] += a.w;
+      u[4 * h] += b.x, u[4 * h + 1] += b.y, u[4 * h + 2] += b.z, u[4 * h + 3] += b.w;
+    }
+  }
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float h0 = g[2 * i] / (1.f + expf(-g[2 * i])) * u[2 * i];
+    const float h1 = g[2 * i + 1] / (1.f + expf(-g[2 * i + 1])) * u[2 * i + 1];
+    o[i] = bf16_rn(h0) | static_cast<uint32_t>(bf16_rn(h1)) << 16;
+  }
+  emit_word(make_uint4(o[0], o[1], o[2], o[3]), row, w, I, hp, hs);
 }
 
 // out[m, n] = bf16 of the down partials part[split, m * topk + j, n] (bf16) summed in fp32 over the
@@ -536,7 +458,15 @@ extern "C" __global__ void __launch_bounds__(256)
   if (f >= M * quads) return;
   const long long m = f / quads;
   const int c = static_cast<int>(f - m * quads) * 4;
-  *reinterpret_cast<uint2*>(out + m * N + c) = sum_quad(part, splits, S, N, topk, m, c);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int sp = 0; sp < splits; ++sp)
+    for (int j = 0; j < topk; ++j) {
+      const uint2 v = *reinterpret_cast<const uint2*>(part + (sp * (long long)S + m * topk + j) * N + c);
+      acc.x += bf16_lo(v.x), acc.y += bf16_hi(v.x), acc.z += bf16_lo(v.y), acc.w += bf16_hi(v.y);
+    }
+  *reinterpret_cast<uint2*>(out + m * N + c) =
+      make_uint2(bf16_rn(acc.x) | static_cast<uint32_t>(bf16_rn(acc.y)) << 16,
+                 bf16_rn(acc.z) | static_cast<uint32_t>(bf16_rn(acc.w)) << 16);
 }
 
 // Block table of the slots grouped by expert, as kernels/moe_gemm.py's align() makes it: sorted
@@ -547,17 +477,15 @@ extern "C" __global__ void __launch_bounds__(256)
 // lanes of its warp (match_any), so the order is the slots' own and the result deterministic (every
 // GEMM CTA waits for this table: one warp placing 32 slots at a time was slow, kernels/NOTES.md
 // v14). CTAs 1.. meanwhile prepare `rows` rows of activations x for the GEMM (emit_word), a thread
-// per word, and zero the `nctr` fold counters of the call's GEMM passes: one launch for all.
+// per word: one launch for both.
 extern "C" __global__ void __launch_bounds__(1024)
     moe_align(const long long* __restrict__ ids, int S, int E, int BM, int ub, int* __restrict__ slots,
               int* __restrict__ seg, int* __restrict__ cnt, int* __restrict__ bexp, int* __restrict__ bms,
-              const uint16_t* __restrict__ x, int rows, int K, uint16_t* __restrict__ xp, uint16_t* __restrict__ xs,
-              int* __restrict__ ctr, int nctr) {
+              const uint16_t* __restrict__ x, int rows, int K, uint16_t* __restrict__ xp, uint16_t* __restrict__ xs) {
   grid_launch_dependents();
   grid_wait();
   if (blockIdx.x > 0) {
     const long long f = (blockIdx.x - 1) * 1024LL + threadIdx.x, words = K / 8;
-    if (f < nctr) ctr[f] = 0;  // the passes' fold counters: zeroed before gate_up starts (it waits for this)
     if (f >= rows * words) return;  // K % 256 == 0: whole warps leave
     const long long row = f / words;
     const int w = static_cast<int>(f - row * words);
@@ -644,11 +572,10 @@ extern "C" __global__ void __launch_bounds__(1024)
       moe_w4a16_nt##NT##_w##WARPS##_r##R##_s##STAGES##_h##H##_a##TA##_sc##SC(                               \
       const uint16_t* a, const uint16_t* xs, const uint32_t* wq, const uint16_t* ws, void* part,          \
       const float* tw, const int* slots, const int* seg, const int* cnt, const int* bexp, const int* bms,  \
-      int S_, int N, int K, int KS, int span, int a_rows_per_slot, int E, int weighted, int early, int* ctr, \
-      uint16_t* o1, uint16_t* o2, int topk) {                                                               \
+      int S_, int N, int K, int KS, int span, int a_rows_per_slot, int E, int weighted, int early) {       \
     moe_gemm<NT, WARPS, R, STAGES, H, TA, SC, Stage<NT, WARPS, R, H, TA, W, S, A, X>>(                      \
         a, xs, wq, ws, part, tw, slots, seg, cnt, bexp, bms, S_, N, K, KS, span, a_rows_per_slot, E, weighted, \
-        early, ctr, o1, o2, topk);                                                                          \
+        early);                                                                                             \
   }
 
 // The kernels the host asks for, each with its stage layout (kernels/moe_configs.py's cuda_prelude:

@@ -10,7 +10,6 @@ answers faked); and how a call shape's launches are laid out.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import re
 import stat
 from pathlib import Path
@@ -428,14 +427,13 @@ def test_a_call_shape_is_laid_out_once_and_wires_each_pass_to_the_next(monkeypat
     assert all((a - ws) % 256 == 0 for a in bufs) and bufs[0] == ws
     s, ub = m * topk, lambda bm: -(-m * topk // bm) + min(e, m * topk)
     assert al_gu[:5] == [ptr["ids"], s, e, 16, ub(16)] and al_gu[10:13] == [ptr["x"], m, h]
-    assert al_dn[:5] == [ptr["ids"], s, e, 32, ub(32)] and al_dn[10:] == [0] * 7
-    assert al_gu[15:] == [0, 0], "no folds: no counters"
+    assert al_dn[:5] == [ptr["ids"], s, e, 32, ub(32)] and al_dn[10:] == [0, 0, 0, 0, 0]
     assert gu[:2] == al_gu[13:15], "gate_up reads the activations align prepared"
     assert gu[2:4] == [ptr["w13_q"], ptr["w13_s"]] and gu[5] == ptr["tw"] and gu[6:11] == al_gu[5:10]
-    assert gu[11:] == [s, 2 * inter, h, 7168, 1, topk, e, 0, 0, 0, 0, 0, topk]
+    assert gu[11:] == [s, 2 * inter, h, 7168, 1, topk, e, 0, 0]
     assert silu[0] == gu[4] and silu[1:4] == [1, s, inter], "SiLU reads gate_up's partials"
     assert dn[:2] == silu[4:6] and dn[6:11] == al_dn[5:10], "down reads SiLU's output and its own table"
-    assert dn[11:] == [s, h, inter, 256, 8, 1, e, 1, 1, 0, 0, 0, topk]
+    assert dn[11:] == [s, h, inter, 256, 8, 1, e, 1, 1]
     assert sm == [dn[4], 1, s, m, h, topk, ptr["out"]]
     assert lib.launched[2][1] == [ub(16), 2 * inter // (cfg.gate_up.rows * cfg.gate_up.span), 1]
     assert lib.launched[4][1] == [ub(32), h // (cfg.down.rows * cfg.down.span), 1]
@@ -490,103 +488,3 @@ def test_the_sweep_picks_gate_up_then_down_from_checked_candidates() -> None:
     assert "Sweep-only" not in block
     swept = moe_configs.Bucket(moe_configs.PassConfig.of(moe_configs.SWEEP_KERNELS[0], 1, 7168), best.down)
     assert moe_configs.SWEEP_KERNELS[0] in moe_sweep.table_block("sm_100", {"full": {1: swept}}, "a test")
-
-
-def _fake_module(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
-    """moe_cuda's module and device faked (CPU): _Call lays out and launches into a FakeDriver."""
-    lib = FakeDriver()
-    kernels = {}
-
-    class Mod:
-        def kernel(self, name: str) -> cuda_build.Kernel:
-            return kernels.setdefault(name, cuda_build.Kernel(lib, ctypes.c_void_p(1), name))
-
-    monkeypatch.setattr(moe_cuda, "_module", lambda device, sweep=False: Mod())
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
-    monkeypatch.setattr(cuda_build, "current_stream", lambda index: 5)
-    return lib
-
-
-@pytest.mark.parametrize("shape", ["full", "shard"])
-def test_folded_calls_drop_the_small_launches_and_lay_out_their_counters(monkeypatch: pytest.MonkeyPatch,
-                                                                         shape: str) -> None:
-    """With both folds a call is align, gate_up, down: gate_up writes h where down reads it, down writes
-    the output; the counters (one a gate_up block x intermediate range, then one a token x column
-    range) lie in the workspace apart from every other buffer, and the first align zeroes exactly them,
-    with CTAs enough for them and for x."""
-    lib = _fake_module(monkeypatch)
-    inter, h = SHAPES[shape]
-    b = moe_configs.H200[shape][1]
-    cfg = moe_configs.Bucket(b.gate_up, b.down, fold_silu=True, fold_sum=True)
-    m, e, topk = 1, 384, 8
-    call = moe_cuda._Call(0, m, h, e, inter, topk, cfg)
-    assert [ln.kernel.name for ln in call.launches] == ["moe_align", cfg.gate_up.kernel, cfg.down.kernel]
-    for ln in call.launches:
-        assert len(ln.args) == _cu_params(ln.kernel.name), ln.kernel.name
-    ptr = dict(zip(moe_cuda._BASES, (0, *(i << 40 for i in range(1, 10)))))
-    call(tuple(ptr.values()))
-    al, gu, dn = (list(ln.args) for ln in call.launches)
-    (_, grid_al, _), (_, grid_gu, _), (_, grid_dn, _) = lib.launched
-    s, ub = m * topk, -(-m * topk // cfg.gate_up.slots) + min(e, m * topk)
-    half = grid_gu[1] // 2
-    n_silu, n_sum = call.counters
-    assert (n_silu, n_sum) == (ub * half, m * grid_dn[1]), "a counter a (block, range) and a (token, column range)"
-    assert n_silu == moe_cuda.fold_counters(cfg, m, h, inter, ub)[0] and half * cfg.gate_up.rows * cfg.gate_up.span == inter
-    ctr = al[15]
-    assert al[16] == n_silu + n_sum and gu[20] == ctr and dn[20] == ctr + 4 * n_silu
-    assert grid_al == [1 + -(-max(m * h // 8, n_silu + n_sum) // 1024), 1, 1]
-    assert gu[21:] == [dn[0], dn[1], topk], "gate_up writes h and its sums where down reads them"
-    assert dn[21:] == [ptr["out"], 0, topk], "down writes the output"
-    ws = ptr["workspace"]
-    others = sorted({a for args in (al, gu, dn) for a in args if ws <= a < ws + call.ws_bytes} - {ctr, ctr + 4 * n_silu})
-    ends = [ctr, ctr + 4 * (n_silu + n_sum)]
-    assert all(not ends[0] <= a < ends[1] for a in others) and ends[1] <= ws + call.ws_bytes
-    assert call.tail_rows == moe_cuda.tail_rows(call.ws_bytes, h) > 0, "decode sizes: one allocation"
-    one = moe_cuda._Call(0, m, h, e, inter, topk, moe_configs.Bucket(b.gate_up, b.down, fold_sum=True))
-    assert [ln.kernel.name for ln in one.launches] == ["moe_align", b.gate_up.kernel, "moe_silu_prep", b.down.kernel]
-    one(tuple(ptr.values()))
-    assert one.counters == (0, n_sum) and list(one.launches[1].args[20:23]) == [0, 0, 0]
-    assert list(one.launches[0].args[15:]) == [one.launches[3].args[20], n_sum]
-
-
-def test_a_small_workspace_rides_behind_the_output() -> None:
-    """One allocation a call where the workspace is small (decode sizes); a large one (large M) is its
-    own allocation, freed when the call returns, never held as long as the output."""
-    h, most = 7168, moe_cuda.TAIL_MAX_BYTES
-    for ws, rows in ((1000, 1), (2 * h, 1), (2 * h + 1, 2), (most, -(-most // (2 * h))), (most + 1, 0)):
-        assert moe_cuda.tail_rows(ws, h) == rows, ws
-
-
-def test_each_bucket_carries_its_folds_and_a_fallback_keeps_only_those_its_passes_allow(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The folds are the bucket's (build.json says which); a gate_up whose CTAs straddle the gate
-    and up rows cannot fold the SiLU in, so a pick or a fallback like that runs moe_silu_prep."""
-    full, shard = dict(moe_configs.H200["full"]), dict(moe_configs.H200["shard"])
-    full[1] = dataclasses.replace(full[1], fold_silu=True, fold_sum=True)
-    full[32] = dataclasses.replace(full[32], fold_silu=False, fold_sum=True)
-    wide = moe_configs.PassConfig.of("nt4_w4_r4_s2_h1_a32_sc1", 2, 7168)  # 512 rows: the shard's whole [2 I]
-    assert wide.tiles(512, 7168) and not wide.halves(512) and full[1].gate_up.halves(4096)
-    shard[1024] = moe_configs.Bucket(wide, shard[1024].down, fold_silu=True, fold_sum=True)
-    monkeypatch.setitem(moe_configs.CUDA_CONFIGS, "sm_90", {"full": full, "shard": shard})
-    got = _choices(SM90)
-    assert got["full", 1].configs == full[1] and got["full", 1].record(7168, 2048)["folds"] == ["silu", "sum"]
-    assert got["full", 32].configs.folds == ("sum",) and got["full", 4].configs.folds == ()
-    big = got["shard", 1024]
-    assert big.gate_up.config == wide and (big.fold_silu, big.fold_sum) == (False, True)
-    assert big.record(7168, 256)["folds"] == ["sum"]
-    with pytest.raises(ValueError, match=r"unknown folds \['gelu'\]"):
-        moe_configs._b(("nt1_w4_r1_s2_h2_a1_sc0", 1, 7168), ("nt1_w4_r1_s2_h2_a1_sc0", 2, 2048), ("gelu",))
-    assert moe_configs._b(("nt1_w4_r1_s2_h2_a1_sc0", 1, 7168), ("nt1_w4_r1_s2_h2_a1_sc0", 2, 2048),
-                          ("sum", "silu")).folds == ("silu", "sum")
-
-
-def test_an_override_that_cannot_fold_the_silu_is_refused(fake_device) -> None:  # noqa: ANN001
-    fake_device(SM90)
-    w13 = torch.empty(384, 512, 896, dtype=torch.int32, device="meta")  # the shard's [2 I, H / 8]
-    w2 = torch.empty(384, 7168, 32, dtype=torch.int32, device="meta")
-    x = torch.zeros(2048, 7168, dtype=torch.bfloat16)
-    big = moe_configs.H200["shard"][1024]
-    wide = moe_configs.PassConfig.of("nt4_w4_r4_s2_h1_a32_sc1", 2, 7168)
-    assert moe_cuda.supports(x, w13, w2, moe_configs.Bucket(wide, big.down, fold_sum=True))
-    why = moe_cuda._why_not(moe_cuda._key(x, w13, w2), moe_configs.Bucket(wide, big.down, fold_silu=True))
-    assert why is not None and "straddle the gate and up rows" in why
