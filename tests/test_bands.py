@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from support import stepmodel as synth
@@ -48,6 +49,19 @@ def test_one_configuration_counts_once() -> None:
     bands = jackknife([0.9, 0.9, 1.0, 1.0, 1.0, 1.1, 1.1, 1.2], list("aabbccdd"))
     assert all(b is not None for b in bands)
     assert bands[0] == edges([1.0, 1.0, 1.0, 1.1, 1.1, 1.2], list("bbccdd"))
+
+
+def test_bands_hold_new_points_when_points_stray_inside_their_configuration() -> None:
+    # six configurations of three acceptance levels each, no spread between configurations, 5% inside
+    # each: a new point's band must count the stray with its quantile (it once added one standard
+    # deviation unscaled and held 86% of new points)
+    rng = np.random.default_rng(7)
+    trials, held = 400, 0
+    for _ in range(trials):
+        ratios = list(np.exp(rng.normal(0.0, 0.05, 18)))
+        lo, hi = edges(ratios, [g for g in range(6) for _ in range(3)])
+        held += lo <= math.exp(rng.normal(0.0, 0.05)) <= hi
+    assert held / trials >= 0.9
 
 
 def test_carries_combine_and_an_unknown_one_makes_the_band_unknown() -> None:

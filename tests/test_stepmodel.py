@@ -16,7 +16,7 @@ from flows.analysis.carrier import Side, memory_gbps
 from flows.analysis.kernelfit import fit_family
 from flows.analysis.reference import load_reference, machine_of
 from flows.analysis.stepmemory import RESERVE_BYTES, cache_bytes, memory, weight_bytes
-from flows.analysis.stepmodel import Query, answer, build, query_of
+from flows.analysis.stepmodel import Query, answer, build, in_step_factor, query_of
 from flows.inventory.hosts import Inventory
 from flows.store.store import Store
 
@@ -64,6 +64,23 @@ def test_leaving_the_measured_shapes_is_labelled(ref) -> None:
     assert "tp" in wide.carries and any("re-sharded from TP-2" in n for n in wide.notes)
     # beyond the sweep the kernel model still follows its fit: the MoE grows with M, never flat
     assert far.ms["moe"] > answer(model, Query(1, 16, 16, 1024, 2.5)).ms["moe"]
+
+
+def test_a_degree_measured_at_one_token_count_takes_the_token_trend_of_another() -> None:
+    # TP-8 measured at 17 and 272 tokens; TP-1 at 272 only: TP-1 at 17 follows TP-8's trend from 272 to 17
+    samples = [({"tp": 8, "tokens": 17, "context": 512}, 0.9), ({"tp": 8, "tokens": 272, "context": 512}, 1.1),
+               ({"tp": 1, "tokens": 272, "context": 512}, 1.2)]
+    got = in_step_factor(samples, {"tp": 1, "tokens": 17, "context": 512})
+    assert got.value == pytest.approx(1.2 * 0.9 / 1.1)
+    assert "tokens" in got.extrapolated                         # borrowed, not measured: still said
+    assert in_step_factor(samples, {"tp": 1, "tokens": 272, "context": 512}).value == pytest.approx(1.2)
+    assert in_step_factor(samples, {"tp": 8, "tokens": 17, "context": 512}).value == pytest.approx(0.9)
+    # beyond every degree's tokens there is no trend to borrow: the edge is held, as before
+    far = in_step_factor(samples, {"tp": 1, "tokens": 4096, "context": 512})
+    assert far.value == pytest.approx(1.2 * 1.1 / 1.1) and "tokens" in far.extrapolated
+    # between degrees: each degree's value, then linear in log tp
+    mid = in_step_factor(samples, {"tp": 2, "tokens": 17, "context": 512})
+    assert 1.2 * 0.9 / 1.1 > mid.value > 0.9 and "tp" in mid.interpolated
 
 
 def test_tokens_per_s_and_the_memory_check_by_hand(ref, inv: Inventory) -> None:

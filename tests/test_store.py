@@ -154,6 +154,21 @@ def test_reingest_with_fewer_tables_leaves_no_stale_partition(tmp_path: Path, pu
     assert ds.dataset(str(art / "e2e"), partitioning="hive").count_rows() == 0
 
 
+def test_storing_the_same_run_again_changes_no_byte(tmp_path: Path, pulled: Path) -> None:
+    # `kdbench notes` re-stores every projection each time: the same tables must leave the store as it was
+    art = tmp_path / "art"
+    store = Store(str(art))
+    first = store.ingest("h200", "h200-1", pulled)
+    before = {p: p.read_bytes() for p in art.rglob("*") if p.is_file()}
+    again = store.ingest("h200", "h200-1", pulled)
+    assert again.ingested_at == first.ingested_at
+    assert {p: p.read_bytes() for p in art.rglob("*") if p.is_file()} == before
+    less = tmp_path / "less"   # different tables are a new ingest
+    shutil.copytree(pulled, less)
+    (less / "e2e.arrow").unlink()
+    assert store.ingest("h200", "h200-1", less).ingested_at != first.ingested_at
+
+
 def test_ingest_refuses_bad_files(tmp_path: Path, pulled: Path) -> None:
     store = Store(str(tmp_path / "art"))
     bad = tmp_path / "bad"

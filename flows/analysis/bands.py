@@ -5,7 +5,11 @@ of the points it held out. A figure built with a carry gets that carry's band: i
 conformal order statistics of those ratios (for 90% coverage, the ceil((n + 1) 0.95)-th from each
 end: the extremes while n < 19), widened where that is narrower to the normal prediction interval
 of the log ratios (mean +- t(0.95, n - 1) sd sqrt(1 + 1/n)): with a handful of points the extremes of
-n cover only (n - 1) / (n + 1) of new ones, so few points give a wider band, never a narrower one. A figure built with several carries adds their log-centres and
+n cover only (n - 1) / (n + 1) of new ones, so few points give a wider band, never a narrower one.
+Points of one group (one configuration's acceptance levels) are one piece of evidence for where a
+configuration lands; how far a point strays from its configuration is a second term with its own
+edges (the same rule over the pooled deviations, their spread counted with the groups' degrees of
+freedom), and a new point has both: the two independent terms add in quadrature. A figure built with several carries adds their log-centres and
 their log-half-widths in quadrature, with the measurement spread as one more term. A carry with
 fewer than MIN_POINTS held-out points has no band: the figure's band is unknown and says which
 carry lacks evidence, never a narrow band. Kernel-level carries (a family's size) act on the step
@@ -63,25 +67,40 @@ def edges(ratios: Sequence[float], groups: Sequence[object] | None = None,
           coverage: float = COVERAGE) -> tuple[float, float] | None:
     """(low, high) edges of measured/predicted ratios (module doc); None under MIN_POINTS points or
     under two groups. Points of one group (the acceptance levels of one configuration) are one piece
-    of evidence: the edges are taken over the groups' mean log ratios, their spread inside a group
-    added in quadrature."""
+    of evidence: the edges of the groups' mean log ratios, plus the edges of the points' deviations
+    from their group's mean."""
     if len(ratios) < MIN_POINTS:
         return None
     groups = list(groups) if groups is not None else list(range(len(ratios)))
     by: dict[object, list[float]] = {}
     for r, g in zip(ratios, groups):
         by.setdefault(g, []).append(math.log(r))
-    means = sorted(statistics.mean(v) for v in by.values())
-    n = len(means)
-    if n < 2:
+    means = [statistics.mean(v) for v in by.values()]
+    if len(means) < 2:
         return None
-    inside = [x - statistics.mean(v) for v in by.values() for x in v]
-    within = statistics.pstdev(inside) if len(inside) > n else 0.0
+    lo, hi = _interval(means, len(means) - 1, coverage)
+    free = len(ratios) - len(means)   # the deviations' degrees of freedom: none when every group is one point
+    if free:   # the two terms are independent: their edges add in quadrature around the groups' centre
+        d_lo, d_hi = _interval([x - statistics.mean(v) for v in by.values() for x in v], free, coverage, centred=True)
+        mid = statistics.mean(means)
+        lo, hi = mid - math.hypot(mid - lo, d_lo), mid + math.hypot(hi - mid, d_hi)
+    return min(math.exp(lo), 1.0), max(math.exp(hi), 1.0)
+
+
+def _interval(xs: Sequence[float], df: int, coverage: float, centred: bool = False) -> tuple[float, float]:
+    """Log edges holding `coverage` of new draws like `xs`: the conformal ranks of xs (its extremes while
+    they are too few), widened to the t prediction interval with `df` degrees of freedom; `centred`:
+    deviations from their groups' means (mean zero by construction, spread over `df`)."""
+    xs = sorted(xs)
+    n = len(xs)
     k = math.ceil((n + 1) * (1 + coverage) / 2)      # rank from each end
-    lo, hi = (means[0], means[-1]) if k > n else (means[n - k], means[k - 1])
-    half = math.hypot(t_quantile((1 + coverage) / 2, n - 1) * statistics.stdev(means) * math.sqrt(1 + 1 / n), within)
-    mid = statistics.mean(means)
-    return min(math.exp(lo - within), math.exp(mid - half), 1.0), max(math.exp(hi + within), math.exp(mid + half), 1.0)
+    lo, hi = (xs[0], xs[-1]) if k > n else (xs[n - k], xs[k - 1])
+    t = t_quantile((1 + coverage) / 2, df)
+    if centred:
+        mid, half = 0.0, t * math.sqrt(sum(x * x for x in xs) / df)
+    else:
+        mid, half = statistics.mean(xs), t * statistics.stdev(xs) * math.sqrt(1 + 1 / n)
+    return min(lo, mid - half), max(hi, mid + half)
 
 
 Evidence = tuple[tuple[float, ...], tuple[str, ...]]   # held-out ratios, the group of each

@@ -147,14 +147,18 @@ class Store:
         except SchemaError as e:
             raise StoreError(f"run {run_id} of {host}: {e}") from None
         info = run_info(host, run_id, tables)
+        parts = {name: parquet_bytes(tables[name]) for name in tables}
+        same = self._same_run(host, run_id, parts)
+        if same is not None and ingested_at is None:   # nothing new arrived: the stored run stays, byte for byte
+            return same.info()
         info.ingested_at = datetime.now(timezone.utc).isoformat(timespec="microseconds") \
             if ingested_at is None else ingested_at
         files = {}
         for name in sorted(tables, key=lambda t: (t == "runs", t)):  # the runs table last: reindex relies on it
-            data = parquet_bytes(tables[name])
             rel = part_path(name, host, run_id)
-            self.write_bytes(rel, data)
-            files[name] = StoredFile(path=rel, sha256=hashlib.sha256(data).hexdigest(), rows=tables[name].num_rows)
+            self.write_bytes(rel, parts[name])
+            files[name] = StoredFile(path=rel, sha256=hashlib.sha256(parts[name]).hexdigest(),
+                                     rows=tables[name].num_rows)
         manifest = Manifest(**info.model_dump(), files=files, migrated_from=migrated_from or {})
         self._write_manifest(manifest)
         for name in set(TABLES) - set(tables):  # a re-ingest with fewer tables leaves no stale partition
@@ -162,6 +166,17 @@ class Store:
             if self.exists(leaf):
                 self.fs.delete_dir(leaf)
         return info
+
+    def _same_run(self, host: str, run_id: str, parts: dict[str, bytes]) -> Manifest | None:
+        """The stored manifest of this run when it holds exactly these table files (by digest), else None."""
+        if not self.exists(self.full(manifest_path(host, run_id))):
+            return None
+        try:
+            m = self.manifest(host, run_id)
+        except StoreError:
+            return None
+        digests = {name: hashlib.sha256(data).hexdigest() for name, data in parts.items()}
+        return m if {name: f.sha256 for name, f in m.files.items()} == digests else None
 
     def _write_manifest(self, m: Manifest) -> None:
         body = json.dumps(m.model_dump(mode="json"), indent=1, sort_keys=True) + "\n"
