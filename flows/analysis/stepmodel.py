@@ -201,7 +201,7 @@ def suite_ms(m: Model, cfg: ModelConfig, q: Query, on_target: bool = True) -> _A
 # -- calibration on the measured e2e rows ------------------------------------------------------------
 
 def cal_shape(tp: int, tokens: int, context: int | None) -> dict[str, float]:
-    return {COLUMNS.tp: tp, "tokens": tokens, COLUMNS.context: context or E2E_CONTEXT}
+    return {"tp": tp, "tokens": tokens, "context": context or E2E_CONTEXT}
 
 
 def query_of(row: Row) -> Query:
@@ -267,7 +267,7 @@ def per_layer_lines(samples: Sequence[Sample]) -> tuple[PerLayer, ...]:
     that grows with tokens shards like the rest of the layer; none: a flat line)."""
     by_tp: dict[int, list[tuple[float, float]]] = {}
     for shape, v in samples:
-        by_tp.setdefault(int(shape[COLUMNS.tp]), []).append((shape["tokens"], v))
+        by_tp.setdefault(int(shape["tp"]), []).append((shape["tokens"], v))
     slopes = {tp: _line(*zip(*pts))[1] for tp, pts in by_tp.items() if len({t for t, _ in pts}) >= 2}
     out = []
     for tp, pts in sorted(by_tp.items()):
@@ -293,7 +293,7 @@ def per_layer_at(lines: Sequence[PerLayer], tp: int, tokens: int) -> Estimate:
     tps = sorted(ln.tp for ln in lines)
     if not tps[0] <= tp <= tps[-1]:
         return Estimate(at(near, near.tp / tp), ("tp", *outside))
-    got = interpolate([({COLUMNS.tp: ln.tp}, at(ln)) for ln in lines], {COLUMNS.tp: tp}, (COLUMNS.tp,), log_value=False)
+    got = interpolate([({"tp": ln.tp}, at(ln)) for ln in lines], {"tp": tp}, ("tp",), log_value=False)
     return Estimate(got.value, outside, got.interpolated)
 
 
