@@ -1,7 +1,8 @@
 """The comm suite: NCCL all-reduce / all-gather bus bandwidth, one process per visible GPU.
 
-Rank 0 times each size with device events and sends the result to the parent, which writes it
-as a point. busbw = algbw * 2(n-1)/n for all-reduce and (n-1)/n for all-gather (nccl-tests'
+Each (op, size) is timed by engine.timing.time_op: eager (a collective is not captured), no L2
+flush, the ranks aligned by a barrier before each repeat; rank 0 sends its row to the parent, which
+writes it as a point. busbw = algbw * 2(n-1)/n for all-reduce and (n-1)/n for all-gather (nccl-tests'
 convention), so one number compares across world sizes. NVLink multicast (NVLS) stays off.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ import torch.multiprocessing as mp
 
 from engine.rows import CommRow
 from engine.schema import PointStatus
-from engine.timing import percentile
+from engine.timing import time_op
 
 SIZES = {"full": [4 << 10 << (2 * i) for i in range(9)],  # 4 KiB .. 256 MiB by 4x, then 1 GiB
          "smoke": [1 << 20, 16 << 20, 64 << 20]}
@@ -30,6 +31,27 @@ def bus_factor(op: str, n: int) -> float:
     return (2 * (n - 1) / n) if op == "all_reduce" else ((n - 1) / n)
 
 
+def _collective(op: str, nbytes: int, world: int, dev: torch.device) -> Callable[[], object]:
+    """One call of `op` on a bf16 message of `nbytes` (all_gather: each rank's 1/world part of it)."""
+    n = nbytes // 2  # bf16 elements of the full message
+    if op == "all_reduce":
+        x = torch.ones(n, dtype=torch.bfloat16, device=dev)
+        return lambda: dist.all_reduce(x)
+    part = torch.ones(n // world, dtype=torch.bfloat16, device=dev)
+    full = torch.empty(part.numel() * world, dtype=torch.bfloat16, device=dev)
+    return lambda: dist.all_gather_into_tensor(full, part)
+
+
+def point(op: str, nbytes: int, world: int, dev: torch.device) -> Any:
+    """One (op, size) of this rank's process group, timed by engine.timing.time_op, as a comm row."""
+    reps = 20 if nbytes < (256 << 20) else 5
+    t = time_op(_collective(op, nbytes, world, dev), dev, reps, warmup=3, graph=False, flush=False,
+                before=dist.barrier)
+    alg = nbytes / (t.p50_us * 1e-6) / 1e9
+    return CommRow(op=op, world_size=world, bytes=nbytes, time_us_p50=t.p50_us, algbw_gbps=alg,
+                   busbw_gbps=alg * bus_factor(op, world), status=PointStatus.OK)
+
+
 def _worker(rank: int, world: int, store: str, sizes: list[int], out: Any) -> None:
     """One rank: init NCCL from a file store, time every (op, size), rank 0 reports."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -39,32 +61,9 @@ def _worker(rank: int, world: int, store: str, sizes: list[int], out: Any) -> No
         dev = torch.device("cuda", rank)
         for op in OPS:
             for nbytes in sizes:
-                n = nbytes // 2  # bf16 elements of the full message
-                if op == "all_reduce":
-                    x = torch.ones(n, dtype=torch.bfloat16, device=dev)
-                    fn = lambda: dist.all_reduce(x)  # noqa: E731
-                else:
-                    part = torch.ones(n // world, dtype=torch.bfloat16, device=dev)
-                    full = torch.empty(part.numel() * world, dtype=torch.bfloat16, device=dev)
-                    fn = lambda: dist.all_gather_into_tensor(full, part)  # noqa: E731
-                reps = 20 if nbytes < (256 << 20) else 5
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize(dev)
-                times = []
-                for _ in range(reps):
-                    dist.barrier()
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    fn()
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b) * 1e3)
+                row = point(op, nbytes, world, dev)
                 if rank == 0:
-                    us = percentile(times, 50)
-                    alg = nbytes / (us * 1e-6) / 1e9
-                    out.put(CommRow(op=op, world_size=world, bytes=nbytes, time_us_p50=us, algbw_gbps=alg,
-                                    busbw_gbps=alg * bus_factor(op, world), status=PointStatus.OK))
+                    out.put(row)
     finally:
         dist.destroy_process_group()
 

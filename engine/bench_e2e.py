@@ -51,7 +51,7 @@ from engine.decode import PREFILL_TOKENS, STAGES, DecodeResult, Decoder, Prefill
 from engine.drafter import BlockDrafter
 from engine.model import PLANT_GAIN, TargetModel, hot_vocab
 from engine.rows import E2ERow
-from engine.schema import PointStatus
+from engine.schema import CommSource, PointStatus
 from engine.timing import percentile
 
 Columns = dict[str, Any]  # e2e columns -> values, for an E2ERow
@@ -297,7 +297,7 @@ class E2EBench:
         need = footprint.point_need(dec, prompts, rows, budget)
         row = E2ERow(config=m.cfg.name, layers=layers, tp=tp,
                      weight_sets=min(m.weight_sets, layers - min(m.cfg.dense_layers, layers)),
-                     vocab=m.cfg.vocab, comm_source="modelled" if tp > 1 else "none",
+                     vocab=m.cfg.vocab, comm_source=CommSource.MODELLED if tp > 1 else CommSource.NONE,
                      device=self.dev.type, concurrency=conc, budget=budget,
                      context=round(statistics.mean(map(len, prompts))), synthetic_accept=level,
                      memory_bytes=float(need.total))

@@ -14,12 +14,15 @@ names its own axes and maps them onto those columns in one place (`columns`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Any, ClassVar
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pyarrow as pa
 
 from engine import schema
-from engine.timing import Timing
+
+if TYPE_CHECKING:   # the controller reads rows without torch, which engine.timing imports
+    from engine.timing import Timing
 
 _PY = {pa.string(): str, pa.int64(): int, pa.float64(): float}
 
@@ -37,7 +40,18 @@ def _row_type(table: str) -> type:
 
 
 ROWS: dict[str, type] = {t: _row_type(t) for t in schema.TABLES}
+Row = Any   # an instance of one of ROWS' classes (made at import, so a type checker sees Any)
 RunRow, KernelRow, E2ERow, CommRow = (ROWS[t] for t in schema.TABLES)
+# Every column's name as an attribute (COLUMNS.reference_run_id == "reference_run_id"), for the few
+# places that must name a column as a string (an Arrow column read): a misspelt one is an
+# AttributeError where it is named, not a column silently missing.
+COLUMNS = SimpleNamespace(**{n: n for t in schema.TABLES for n in schema.SCHEMAS[t].names})
+
+
+def table_rows(table: pa.Table, name: str) -> list[Any]:
+    """The rows of a checked table of `name` as that table's typed rows (a column the table does not
+    hold takes the row's default; one the row does not know is a TypeError)."""
+    return [ROWS[name](**r) for r in table.to_pylist()]
 
 
 def set_columns(row: Any) -> dict[str, Any]:
@@ -60,6 +74,11 @@ class _Shape:
 
     def columns(self) -> dict[str, Any]:
         return {col: getattr(self, name) for name, col in self.COLUMNS.items()}
+
+    @classmethod
+    def of(cls, row: Any) -> Any:
+        """The shape a kernels row of this family stores (the inverse of `columns`): read by its names."""
+        return cls(**{name: getattr(row, col) for name, col in cls.COLUMNS.items()})
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "e2e": pa.schema([
         _f("run_id", _s, False), _f("config", _s, False), _f("layers", _i),
         _f("tp", _i), _f("weight_sets", _i), _f("vocab", _i),
-        _f("comm_source", _s),  # measured | modelled | none: where comm_ms came from
+        _f("comm_source", _s),  # CommSource: where comm_ms came from
         _f("device", _s, False), _f("concurrency", _i, False), _f("budget", _i, False),
         _f("context", _i),  # prompt tokens a sequence holds in its cache when decoding starts (mean)
         _f("synthetic_accept", _d),  # the drafter's steering level: acceptance is synthetic
@@ -154,6 +154,15 @@ class PointStatus(StrEnum):
 
     OK = "ok"
     SKIPPED = "skipped"
+
+
+class CommSource(StrEnum):
+    """Where an e2e row's comm_ms comes from: the row's own N-GPU run (its whole step, collectives
+    included), the alpha-beta model beside one rank timed on one GPU, or none (tp 1: no collectives)."""
+
+    MEASURED = "measured"
+    MODELLED = "modelled"
+    NONE = "none"
 
 
 # The columns that name a state: one of these values (suite "whatif": the controller's stored what-if

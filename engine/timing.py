@@ -83,13 +83,16 @@ def flush_l2(scratch: torch.Tensor) -> None:
 
 
 def time_op(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3,
-            graph: bool = True, flush: bool = True) -> Timing:
-    """Per-call time of fn on `device` (see module doc)."""
+            graph: bool = True, flush: bool = True, before: Callable[[], object] | None = None) -> Timing:
+    """Per-call time of fn on `device` (see module doc). `before` runs ahead of each timed call, outside
+    the timing: the comm suite's barrier, so every rank enters each collective together."""
     for _ in range(warmup):
         fn()
     if device.type != "cuda":
         us = []
         for _ in range(repeats):
+            if before is not None:
+                before()
             t = time.perf_counter()
             fn()
             us.append((time.perf_counter() - t) * 1e6)
@@ -102,6 +105,8 @@ def time_op(fn: Callable[[], object], device: torch.device, repeats: int, warmup
     for _ in range(repeats):
         if scratch is not None:
             flush_l2(scratch)
+        if before is not None:
+            before()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         run()

@@ -69,3 +69,9 @@ def test_a_stored_projection_whose_record_does_not_read_costs_its_own_page_only(
     page = (notes / "pro6000.md").read_text()
     assert "its stored data could not be read: assumption record comm: no interconnect" in page
     assert "**Data: measured.**" in (notes / "h200.md").read_text()
+
+
+def test_a_kind_this_version_does_not_know_is_worded_with_each_string_escaped_once() -> None:
+    from flows.notes.sections.projected import assumption_text
+    text = assumption_text(parse({"what": "a_later_kind", "why": "a|b <c>", "figures": [1, "x|y"]}))
+    assert text == r"figures \[1, 'x\|y'\], what a_later_kind, why a\|b \<c\>"

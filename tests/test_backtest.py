@@ -11,6 +11,7 @@ import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
+from engine.rows import KernelRow
 from flows import REPO
 from flows.analysis.backtest import (GOAL_IN_BAND, BacktestRow, composition, depth, goal_gap, refresh, size,
                                      stored_backtest, tensor_parallel, trend)
@@ -46,9 +47,9 @@ def test_size_predicts_held_out_points_from_the_calibration_side_only(store: Sto
 
 def test_latency_bound_sizes_follow_the_calibrated_trend_by_hand() -> None:
     # 10 us at budget 64, 20 us at 256: time ~ budget^0.5, so 40 us at 1024 (the p10/p90 ride along)
-    pts = [{"budget": b, "time_us_p50": t, "time_us_p10": t * 0.9, "time_us_p90": t * 1.1}
+    pts = [KernelRow(budget=b, time_us_p50=t, time_us_p10=t * 0.9, time_us_p90=t * 1.1)
            for b, t in ((16, 5.0), (64, 10.0), (256, 20.0))]
-    assert trend(pts, {"budget": 1024}, "budget") == pytest.approx((40.0, 36.0, 44.0))
+    assert trend(pts, KernelRow(budget=1024), "budget") == pytest.approx((40.0, 36.0, 44.0))
 
 
 def test_composition_rebuilds_each_step_from_kernel_points(store: Store, inv: Inventory) -> None:

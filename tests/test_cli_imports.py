@@ -53,14 +53,23 @@ def test_a_commands_help_imports_none_of_what_the_command_runs_on(argv: list[str
     assert not modules & set(HEAVY_SUB), sorted(modules & set(HEAVY_SUB))
 
 
-FIRST_PREFECT = """
+FIRST_IMPORTING = """
 import importlib, json, sys
+heavy = sys.argv[2]
 for name in json.loads(sys.argv[1]):
     importlib.import_module(name)
-    if "prefect" in sys.modules:
+    if heavy in sys.modules:
         print(name)
         break
 """
+
+
+def first_importing(names: list[str], heavy: str) -> str:
+    """The first of `names` that brings in `heavy` when imported one after another ("" for none)."""
+    r = subprocess.run([sys.executable, "-c", FIRST_IMPORTING, json.dumps(names), heavy], capture_output=True,
+                       text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.strip()
 
 
 def test_only_the_pipelines_import_prefect() -> None:
@@ -68,7 +77,14 @@ def test_only_the_pipelines_import_prefect() -> None:
     names = [m.name for m in pkgutil.walk_packages(flows.__path__, "flows.")
              if not m.name.startswith("flows.pipelines")]
     assert "flows.analysis.backtest" in names and "flows.notes" in names
-    r = subprocess.run([sys.executable, "-c", FIRST_PREFECT, json.dumps(names)], capture_output=True, text=True,
-                       cwd=REPO, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == "", f"{r.stdout.strip()} imports prefect"
+    first = first_importing(names, "prefect")
+    assert first == "", f"{first} imports prefect"
+
+
+def test_no_controller_module_imports_torch() -> None:
+    """The controller reads the payload's typed rows (engine.rows) and never needs torch, which the
+    payload's timing harness imports."""
+    names = [m.name for m in pkgutil.walk_packages(flows.__path__, "flows.")]
+    assert "flows.transport.pull" in names and "flows.notes.publish" in names
+    first = first_importing(names, "torch")
+    assert first == "", f"{first} imports torch"

@@ -180,11 +180,20 @@ def test_typed_rows_are_the_schema_columns_and_refuse_any_other() -> None:
     assert rows.DenseShape("o", 4, 7168, 1024, 1).columns() == {"op": "o", "M": 4, "N": 7168, "K": 1024, "batch": 1}
     for shape in (rows.MoeShape, rows.MlaShape, rows.TreeShape, rows.AcceptShape, rows.DenseShape):
         assert set(shape.COLUMNS.values()) <= set(schema.SCHEMAS["kernels"].names)
+    # a kernels row read back as its family's shape: the inverse of columns(), other columns ignored
+    for s in (rows.MoeShape(4, 256, 128, 16, 4), rows.MlaShape(2, 16, 1024, 8, 576), rows.TreeShape(1, 64, 16, 8),
+              rows.AcceptShape(2, 32), rows.DenseShape("o", 4, 7168, 1024, 1)):
+        assert type(s).of(rows.KernelRow(kernel="k", time_us_p50=1.0, tp=8, **s.columns())) == s
     assert schema.STATES["runs"]["status"] == tuple(schema.RunStatus) == ("complete", "partial", "skipped")
     assert schema.STATES["e2e"]["status"] == schema.STATES["comm"]["status"] == tuple(schema.PointStatus)
     table = schema.to_table("e2e", [rows.E2ERow(run_id="r", config="k2", device="cpu", concurrency=1, budget=16,
                                                 source="measured", status=schema.PointStatus.SKIPPED)], {"run_id": "r"})
     assert table.column("status").to_pylist() == ["skipped"] and table.column("tp").to_pylist() == [1]
+    assert tuple(schema.CommSource) == ("measured", "modelled", "none")   # the stored words, as before the enum
+    table = schema.to_table("e2e", [rows.E2ERow(run_id="r", config="k2", device="cpu", concurrency=1, budget=16,
+                                                source="measured", comm_source=schema.CommSource.MODELLED)],
+                            {"run_id": "r"})
+    assert table.column("comm_source").to_pylist() == ["modelled"]
 
 
 def test_a_suite_writer_takes_its_tables_rows_only(tmp_path) -> None:  # noqa: ANN001

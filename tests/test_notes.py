@@ -334,12 +334,13 @@ def test_a_run_whose_mla_points_ran_the_gluon_kernel_renders(tmp_path: Path, inv
     """An H200 run names impl "gluon" on the MLA points where the Gluon kernel ran (kernels.ops.mla_impl):
     the measured page shows it, the family rules take it as the engine's own kernel, and the hosts
     projected from that run still render."""
+    from engine.rows import table_rows
     from flows.analysis.families import label, preferred
 
     ref = write_run(tmp_path / "art" / "reference" / "h200")
     _rewrite(ref, "kernels", lambda r: {**r, "impl": "gluon"} if r["kernel"] == "mla_tree_attention" else r)
-    rows = read_table(ref / "kernels.arrow").to_pylist()
-    mla = [r for r in rows if r["kernel"] == "mla_tree_attention"]
+    rows = table_rows(read_table(ref / "kernels.arrow"), "kernels")
+    mla = [r for r in rows if r.kernel == "mla_tree_attention"]
     assert mla and {label(r) for r in preferred(mla)} == {"mla_tree_attention/gluon"}
     store = Store(str(tmp_path / "art"))
     refresh(store, inv, "h200")

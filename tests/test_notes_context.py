@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.rows import E2ERow
 from flows.analysis.backtest import refresh
 from flows.inventory.hosts import Inventory
 from flows.notes.publish import render_notes
@@ -113,8 +114,8 @@ def test_the_projected_page_ignores_skipped_points_and_says_which(pages: tuple[P
 
 
 def test_crossover_in_words() -> None:
-    def row(n: int, att: float | None, moe: float | None) -> dict:
-        return {"context": n, "attention_ms": att, "moe_ms": moe}
+    def row(n: int, att: float | None, moe: float | None) -> E2ERow:
+        return E2ERow(context=n, attention_ms=att, moe_ms=moe)
 
     assert crossover("s", [row(1024, 1.0, 5.0), row(8192, 4.0, 5.0)]) == \
         "s: attention stays below the MoE up to 8,192 tokens (4.00 vs 5.00 ms a step at 8,192 tokens)."

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
 
+from engine.rows import KernelRow, table_rows
 from engine.schema import provenance, read_table, validate
 from flows.analysis.backtest import cross_host
 from flows.analysis.families import point_key
@@ -24,9 +26,9 @@ def _store(tmp: Path, spread: float = 0.03) -> Store:
     return Store(str(tmp / "art"))
 
 
-def _row(nbytes: float, flops: float, t: float, **kw: float) -> dict:
-    return {"kernel": "moe_w4a16", "impl": "triton", "bytes": nbytes, "flops": flops, "time_us_p50": t,
-            "time_us_p10": None, "time_us_p90": None, **kw}
+def _row(nbytes: float, flops: float, t: float, **kw: Any) -> KernelRow:
+    return KernelRow(**{"kernel": "moe_w4a16", "impl": "triton", "bytes": nbytes, "flops": flops, "time_us_p50": t,
+                        "time_us_p10": None, "time_us_p90": None, **kw})
 
 
 def test_roofline_compute_bound_by_hand() -> None:
@@ -50,8 +52,7 @@ def test_roofline_crosses_the_ridge_by_hand() -> None:
 
 def test_host_side_points_are_kept() -> None:
     # the torch tree build is a Python heap: a faster GPU does not move it
-    p = project_point({**_row(1e6, 1e6, 120.0), "kernel": "build_tree", "impl": "torch", "time_us_p10": 110.0,
-                       "time_us_p90": 130.0},
+    p = project_point(_row(1e6, 1e6, 120.0, kernel="build_tree", impl="torch", time_us_p10=110.0, time_us_p90=130.0),
                       (1000.0, 100.0), (8000.0, 2000.0), None)
     assert (p["time_us_p50"], p["time_us_low"], p["time_us_high"], p["regime"]) == (120.0, 110.0, 130.0, "host")
 
@@ -165,11 +166,11 @@ def test_second_reference_widens_the_band(tmp_path: Path, inv: Inventory) -> Non
     other = Machine("h200b", inv.specs["h200-sxm"], 8, "nvlink")     # same spec: bands from the p10-p90 spread
     one = project(ref_a.tables, ref_a.machine, other)["kernels"].to_pylist()
     both = project(ref_a.tables, ref_a.machine, other, also=[(ref_b.tables, ref_b.machine)])["kernels"].to_pylist()
-    alone = {point_key(p): p for p in project(ref_b.tables, ref_b.machine, other)["kernels"].to_pylist()}
+    alone = {point_key(p): p for p in table_rows(project(ref_b.tables, ref_b.machine, other)["kernels"], "kernels")}
     for a, b in zip(one, both):
         assert a["time_us_p50"] == b["time_us_p50"]                  # the central value stays the first's
         assert b["time_us_low"] <= a["time_us_low"] and b["time_us_high"] >= a["time_us_high"]
-        assert b["time_us_low"] <= alone[point_key(b)]["time_us_p50"] <= b["time_us_high"]
+        assert b["time_us_low"] <= alone[point_key(KernelRow(**b))].time_us_p50 <= b["time_us_high"]
 
 
 def test_a_spread_wider_than_the_median_keeps_the_band_positive(tmp_path: Path, inv: Inventory) -> None:
@@ -187,9 +188,9 @@ def test_a_spread_wider_than_the_median_keeps_the_band_positive(tmp_path: Path, 
     proj = project(ref.tables, ref.machine, Machine("h200b", inv.specs["h200-sxm"], 1, "none"),
                    evidence=_evidence(0.05))
     check_values(proj["kernels"], "kernels.arrow")
-    noisy = next(p for p in proj["kernels"].to_pylist() if point_key(p) == point_key(rows[0]))
-    assert noisy["time_us_low"] == pytest.approx(0.9 * noisy["time_us_p50"])
-    assert noisy["time_us_high"] == pytest.approx(4 * noisy["time_us_p50"])
+    noisy = next(p for p in table_rows(proj["kernels"], "kernels") if point_key(p) == point_key(KernelRow(**rows[0])))
+    assert noisy.time_us_low == pytest.approx(0.9 * noisy.time_us_p50)
+    assert noisy.time_us_high == pytest.approx(4 * noisy.time_us_p50)
 
 
 def test_synthetic_run_is_schema_valid(tmp_path: Path) -> None:

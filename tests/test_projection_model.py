@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from engine.rows import table_rows
 from engine.schema import read_table, to_table
 from flows import REPO
 from flows.analysis.backtest import cross_host, depth, refresh, tensor_parallel
@@ -68,7 +69,7 @@ def test_headlines_show_full_model_tokens_per_s(model_store: Store, inv: Invento
     refresh(model_store, inv, "h200")
     views = {v.name: v for v in gather(model_store, inv)}
     h200, pro = headline(views["h200"]), headline(views["pro6000"])
-    ms = [k["M"] for k in moe_points(views["h200"].latest)]
+    ms = [k.M for k in moe_points(views["h200"].latest)]
     assert ms == sorted(set(ms))                      # the MoE table shows full shapes, not the TP-8 shards too
     assert h200.startswith(f"full model {FULL} layers TP-8: ") and "at C=1 (B=15, accept 5.30)" in h200
     assert "at C=16" in h200 and "no full-depth" not in h200
@@ -118,6 +119,6 @@ def test_full_model_projection_meets_the_published_serving_figures(model_store: 
     # both published rows (61 layers, TP-8, C = 1 and 10) meet the step model at their configuration
     assert e2e.points == 2 and "the step model at its configuration" in e2e.detail
     model = build(ref.tables, ref.machine, dataclasses.replace(machine_of(inv, "pro6000"), gpus=8))
-    full = [e for e in ref.tables["e2e"].to_pylist() if e["layers"] == FULL]
+    full = [e for e in table_rows(ref.tables["e2e"], "e2e") if e.layers == FULL]
     best = max(answer(model, dataclasses.replace(query_of(e), tp=8, concurrency=10)).tokens_per_s for e in full)
     assert e2e.ratios[1] == pytest.approx(517.0 / best)

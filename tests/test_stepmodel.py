@@ -11,6 +11,7 @@ import pytest
 
 from support import stepmodel as synth
 from engine.config import K2, make_config
+from engine.rows import table_rows
 from flows.analysis.carrier import Side, memory_gbps
 from flows.analysis.kernelfit import fit_family
 from flows.analysis.reference import load_reference, machine_of
@@ -31,23 +32,23 @@ def test_the_composed_step_reproduces_every_measured_row(ref) -> None:
     assert model.cal.split and model.cal.rows == len(synth.E2E)
     for fam, factor in synth.FACTORS.items():           # each family's in-step / suite factor, found
         assert {round(v, 9) for _, v in model.cal.factors[fam]} == {factor}
-    for r in ref.tables["e2e"].to_pylist():
+    for r in table_rows(ref.tables["e2e"], "e2e"):
         s = answer(model, query_of(r))
-        assert s.step_ms == pytest.approx(r["step_ms_p50"], rel=1e-9)
+        assert s.step_ms == pytest.approx(r.step_ms_p50, rel=1e-9)
         for fam in ("moe", "attention", "dense", "lm_head", "tree", "gpu_other"):
-            assert s.ms[fam] == pytest.approx(r[f"{fam}_ms"], rel=1e-9, abs=1e-12)
-        assert s.ms["host"] == pytest.approx(r["outside_ms"], rel=1e-9)
+            assert s.ms[fam] == pytest.approx(getattr(r, f"{fam}_ms"), rel=1e-9, abs=1e-12)
+        assert s.ms["host"] == pytest.approx(r.outside_ms, rel=1e-9)
         assert s.extrapolated == () and s.carries == ("composition",)
 
 
 def test_a_composed_step_answers_from_the_other_families_not_its_own_row(ref) -> None:
     # calibrating without a configuration's rows still lands on them: the families follow the kernel
     # models and the factors and gpu_other lines the other rows
-    rows = ref.tables["e2e"].to_pylist()
-    held = [r for r in rows if (r["tp"], r["concurrency"], r["budget"]) == (2, 4, 16)]
+    rows = table_rows(ref.tables["e2e"], "e2e")
+    held = [r for r in rows if (r.tp, r.concurrency, r.budget) == (2, 4, 16)]
     model = build(ref.tables, ref.machine, ref.machine, [r for r in rows if r not in held])
     for r in held:
-        assert answer(model, query_of(r)).step_ms == pytest.approx(r["step_ms_p50"], rel=1e-9)
+        assert answer(model, query_of(r)).step_ms == pytest.approx(r.step_ms_p50, rel=1e-9)
 
 
 def test_leaving_the_measured_shapes_is_labelled(ref) -> None:
@@ -102,11 +103,11 @@ def test_tokens_per_s_and_the_memory_check_by_hand(ref, inv: Inventory) -> None:
 
 
 def test_the_kernel_model_extrapolates_along_its_roofline(ref) -> None:
-    pts = [k for k in ref.tables["kernels"].to_pylist() if k["kernel"] == "moe_w4a16"]
-    model = fit_family("moe_w4a16", [p for p in pts if p["M"] <= 64], synth.BW, synth.TF)
-    for p in (p for p in pts if p["M"] > 64):        # held out: the fit on the smaller sizes finds them
-        got, how = model.time_us((p["tp"],), {"M": p["M"]}, p["bytes"], p["flops"])
-        assert got.value == pytest.approx(p["time_us_p50"], rel=1e-6) and got.extrapolated == ("M",) and how == ""
+    pts = [k for k in table_rows(ref.tables["kernels"], "kernels") if k.kernel == "moe_w4a16"]
+    model = fit_family("moe_w4a16", [p for p in pts if p.M <= 64], synth.BW, synth.TF)
+    for p in (p for p in pts if p.M > 64):        # held out: the fit on the smaller sizes finds them
+        got, how = model.time_us((p.tp,), {"M": p.M}, p.bytes, p.flops)
+        assert got.value == pytest.approx(p.time_us_p50, rel=1e-6) and got.extrapolated == ("M",) and how == ""
     fit = model.classes[(1,)].fit
     assert fit.latency_us == pytest.approx(synth.MOE[1][0]) and 1e-6 / fit.us_per_flop == pytest.approx(synth.MOE_TF)
 

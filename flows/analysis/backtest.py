@@ -28,6 +28,8 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
+from engine.rows import COLUMNS, Row
+from engine.schema import CommSource
 from flows.analysis.bands import jackknife
 from flows.analysis.families import (POINT_KEY, SIZE_AXIS, e2e_key, host_side, label, point_key, preferred,
                                      regime, tp_of)
@@ -47,7 +49,7 @@ GOAL_KIND = {("composition", "e2e step", "e2e"): 0.05, ("tp", "e2e", "e2e"): 0.1
 GOAL_IN_BAND = 0.90
 STORED = "backtest/backtest.json"
 # the size backtest: held-out sizes (axis value >= cut) predicted from the smaller ones
-HOLD_OUT = {"M": 256, "context": 65536, "budget": 1024}
+HOLD_OUT = {COLUMNS.M: 256, COLUMNS.context: 65536, COLUMNS.budget: 1024}
 
 
 @dataclass(frozen=True)
@@ -103,9 +105,9 @@ def summarise(kind: str, ref: str, target: str, fam: str, reg: str, pairs: Seque
                        len(bands) - len(known), tuple(ratios), tuple(str(g) for *_, g in pairs))
 
 
-def _groups(rows: Sequence[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+def _groups(rows: Sequence[Row]) -> dict[tuple, list[Row]]:
     """e2e rows by configuration: the acceptance levels of one (tp, C, B, context, depth) are one group."""
-    out: dict[tuple, list[dict[str, Any]]] = {}
+    out: dict[tuple, list[Row]] = {}
     for r in rows:
         out.setdefault(e2e_key(r, without=("synthetic_accept",)), []).append(r)
     return out
@@ -120,20 +122,20 @@ def composition(data: Dataset) -> list[BacktestRow]:
     if len(groups) < 2 or not rows_of(data.tables, "kernels"):
         return [BacktestRow("composition", name, name, "e2e step", "e2e", 0,
                             detail="needs kernel points and e2e rows of two or more configurations in one run")]
-    split = all(r.get("moe_ms") is not None for r in rows)
+    split = all(r.moe_ms is not None for r in rows)
     pairs: dict[str, list[Pair]] = {}
     for key, held in groups.items():
         model = build(data.tables, data.machine, data.machine, [r for r in rows if e2e_key(
             r, without=("synthetic_accept",)) != key])
         for r in held:
             s = answer(model, query_of(r), config_of(r))
-            pairs.setdefault("e2e step", []).append((r["step_ms_p50"], s.step_ms, key))
-            if r.get("kernel_ms") is not None:
-                pairs.setdefault("e2e GPU time", []).append((r["kernel_ms"], s.step_ms - s.ms["host"], key))
-                pairs.setdefault("e2e host time", []).append((r["outside_ms"], s.ms["host"], key))
+            pairs.setdefault("e2e step", []).append((r.step_ms_p50, s.step_ms, key))
+            if r.kernel_ms is not None:
+                pairs.setdefault("e2e GPU time", []).append((r.kernel_ms, s.step_ms - s.ms["host"], key))
+                pairs.setdefault("e2e host time", []).append((r.outside_ms, s.ms["host"], key))
             if split:
                 for f in FAMILIES:
-                    pairs.setdefault(f"e2e {f}", []).append((r[COLUMN[f]], s.ms[f], key))
+                    pairs.setdefault(f"e2e {f}", []).append((getattr(r, COLUMN[f]), s.ms[f], key))
     why = ("each configuration's steps from the step model calibrated on the other configurations' rows "
            "(kernel models at the step's shapes x in-step factors + gpu_other + host)")
     out = [summarise("composition", name, name, "e2e step", "e2e", pairs["e2e step"], why)]
@@ -152,20 +154,20 @@ def _line(xs: Sequence[float], ys: Sequence[float]) -> Callable[[float], float]:
 
 
 def depth(data: Dataset) -> list[BacktestRow]:
-    rows = [r for r in rows_of(data.tables, "e2e") if r["source"] == "measured" and r["step_ms_p50"]]
-    groups: dict[tuple, list[dict[str, Any]]] = {}
+    rows = [r for r in rows_of(data.tables, "e2e") if r.source == "measured" and r.step_ms_p50]
+    groups: dict[tuple, list[Row]] = {}
     for r in rows:
         groups.setdefault(e2e_key(r, without=("layers",)), []).append(r)
     pairs: list[Pair] = []
     for key, g in groups.items():
         full = config_of(g[0]).layers
-        deep = [r for r in g if r["layers"] == full]
-        shallow = sorted((r for r in g if r["layers"] and r["layers"] < full), key=lambda r: r["layers"])
-        if not deep or len({r["layers"] for r in shallow}) < 2:
+        deep = [r for r in g if r.layers == full]
+        shallow = sorted((r for r in g if r.layers and r.layers < full), key=lambda r: r.layers)
+        if not deep or len({r.layers for r in shallow}) < 2:
             continue
-        c = _line([r["layers"] for r in shallow], [r["step_ms_p50"] for r in shallow])(full)
-        pairs.append((deep[0]["step_ms_p50"], c, key))
-    depths = sorted({r["layers"] for r in rows if r["layers"]})
+        c = _line([r.layers for r in shallow], [r.step_ms_p50 for r in shallow])(full)
+        pairs.append((deep[0].step_ms_p50, c, key))
+    depths = sorted({r.layers for r in rows if r.layers})
     detail = ("full-depth step from a straight line through the shallower depths of the same point" if pairs else
               f"needs rows at 2 or more shallow depths and at full depth (61 for k2) of the same point; "
               f"this data has layers {', '.join(map(str, depths)) or 'none'}")
@@ -174,34 +176,34 @@ def depth(data: Dataset) -> list[BacktestRow]:
 
 # -- size ----------------------------------------------------------------------------------------
 
-def _shape(p: dict[str, Any], fam: str) -> dict[str, float]:
-    return {a: float(p.get(a) or 0) for a in AXES[fam]}
+def _shape(p: Row, fam: str) -> dict[str, float]:
+    return {a: float(getattr(p, a) or 0) for a in AXES[fam]}
 
 
 def size(data: Dataset) -> list[BacktestRow]:
-    kern = [k for k in rows_of(data.tables, "kernels") if k["source"] == "measured" and not host_side(k)]
+    kern = [k for k in rows_of(data.tables, "kernels") if k.source == "measured" and not host_side(k)]
     ceil = measured_ceilings(data.tables["runs"], data.machine.spec)
     out = []
-    fams: dict[str, list[dict[str, Any]]] = {}
+    fams: dict[str, list[Row]] = {}
     for k in kern:
-        if k["kernel"] in SIZE_AXIS:
+        if k.kernel in SIZE_AXIS:
             fams.setdefault(label(k), []).append(k)
     for fam_label, pts in sorted(fams.items()):
-        fam = pts[0]["kernel"]
+        fam = pts[0].kernel
         axis, cut = SIZE_AXIS[fam], HOLD_OUT[SIZE_AXIS[fam]]
-        calib = [p for p in pts if (p.get(axis) or 0) < cut]
-        held = [p for p in pts if (p.get(axis) or 0) >= cut]
-        model = fit_family(fam, calib, *ceil.of(pts[0]["dtype"])) if calib else None
+        calib = [p for p in pts if (getattr(p, axis) or 0) < cut]
+        held = [p for p in pts if (getattr(p, axis) or 0) >= cut]
+        model = fit_family(fam, calib, *ceil.of(pts[0].dtype)) if calib else None
         pairs: list[Pair] = []
         regimes = []
         for h in held:
             if model is None or class_key(h) not in model.classes:
                 continue
-            got = model.time_us(class_key(h), _shape(h, fam), h["bytes"], h["flops"])
+            got = model.time_us(class_key(h), _shape(h, fam), h.bytes, h.flops)
             if got:
-                pairs.append((h["time_us_p50"], got[0].value, point_key(h)))
-                regimes.append(regime(h, *ceil.of(h["dtype"])))
-        reg = statistics.mode(regimes) if regimes else regime(pts[0], *ceil.of(pts[0]["dtype"]))
+                pairs.append((h.time_us_p50, got[0].value, point_key(h)))
+                regimes.append(regime(h, *ceil.of(h.dtype)))
+        reg = statistics.mode(regimes) if regimes else regime(pts[0], *ceil.of(pts[0].dtype))
         detail = (f"{axis} >= {cut} from {axis} < {cut}: the family's kernel model (latency + bytes / bandwidth + "
                   "flops / compute, fitted on the smaller sizes) times the nearest calibrated point's residual")
         out.append(summarise("size", data.name, data.name, fam_label, reg, pairs,
@@ -209,34 +211,35 @@ def size(data: Dataset) -> list[BacktestRow]:
     return out
 
 
-def trend(prev: list[dict[str, Any]], to: dict[str, Any], axis: str) -> tuple[float, float, float]:
+def trend(prev: list[Row], to: Row, axis: str) -> tuple[float, float, float]:
     """Time at `to` by the power law through the two largest of `prev` (sorted along `axis`)."""
     a, b = prev[-2], prev[-1]
-    slope = math.log(b["time_us_p50"] / a["time_us_p50"]) / math.log(b[axis] / a[axis])
-    scale = (to[axis] / b[axis]) ** slope
-    return tuple(scale * (b.get(k) or b["time_us_p50"]) for k in ("time_us_p50", "time_us_p10", "time_us_p90"))  # type: ignore[return-value]
+    slope = math.log(b.time_us_p50 / a.time_us_p50) / math.log(getattr(b, axis) / getattr(a, axis))
+    scale = (getattr(to, axis) / getattr(b, axis)) ** slope
+    times = (b.time_us_p50, b.time_us_p10, b.time_us_p90)
+    return tuple(scale * (t or b.time_us_p50) for t in times)  # type: ignore[return-value]
 
 
 # -- tensor parallel -----------------------------------------------------------------------------
 
 def tensor_parallel(data: Dataset) -> list[BacktestRow]:
-    kern = [k for k in rows_of(data.tables, "kernels") if k["source"] == "measured" and not host_side(k)]
+    kern = [k for k in rows_of(data.tables, "kernels") if k.source == "measured" and not host_side(k)]
     ceil = measured_ceilings(data.tables["runs"], data.machine.spec)
     out = []
-    by_fam: dict[str, list[dict[str, Any]]] = {}
+    by_fam: dict[str, list[Row]] = {}
     for k in preferred(kern):
-        if k["kernel"] in AXES:
+        if k.kernel in AXES:
             by_fam.setdefault(label(k), []).append(k)
     for fam_label, pts in sorted(by_fam.items()):
-        fam = pts[0]["kernel"]
+        fam = pts[0].kernel
         full = [p for p in pts if tp_of(p) == 1]
         shard = [p for p in pts if tp_of(p) > 1]
         if not full or not shard:
             continue
-        model = fit_family(fam, full, *ceil.of(pts[0]["dtype"]))
-        pairs = [(k["time_us_p50"], got[0].value, point_key(k)) for k in shard
-                 for got in [model.time_us(class_key(k), _shape(k, fam), k["bytes"], k["flops"])] if got]
-        out.append(summarise("tp", data.name, data.name, fam_label, regime(shard[0], *ceil.of(shard[0]["dtype"])),
+        model = fit_family(fam, full, *ceil.of(pts[0].dtype))
+        pairs = [(k.time_us_p50, got[0].value, point_key(k)) for k in shard
+                 for got in [model.time_us(class_key(k), _shape(k, fam), k.bytes, k.flops)] if got]
+        out.append(summarise("tp", data.name, data.name, fam_label, regime(shard[0], *ceil.of(shard[0].dtype)),
                              pairs, "TP-N shard shapes from the full shapes' kernel model (at the shard's bytes/flops)"))
     e2e = calibration_rows(rows_of(data.tables, "e2e"))
     degrees = sorted({tp_of(r) for r in e2e})
@@ -251,10 +254,10 @@ def tensor_parallel(data: Dataset) -> list[BacktestRow]:
         for m in (r for r in e2e if tp_of(r) == n):
             s = answer(model, query_of(m), config_of(m))
             key = e2e_key(m, without=("synthetic_accept",))
-            if m.get("comm_source") == "measured":   # a real N-GPU run: the whole step, comm included
-                real.append((m["step_ms_p50"] + breakdown(m)["comm_ms"], s.step_ms + s.ms["comm"], key))
+            if m.comm_source == CommSource.MEASURED:   # a real N-GPU run: the whole step, comm included
+                real.append((m.step_ms_p50 + breakdown(m)[COLUMNS.comm_ms], s.step_ms + s.ms["comm"], key))
             else:                                    # one rank on one GPU: its compute, comm left out
-                rank.append((m["step_ms_p50"], s.step_ms, key))
+                rank.append((m.step_ms_p50, s.step_ms, key))
         out.append(summarise("tp", data.name, data.name, f"e2e TP-{n} rank step", "e2e", rank,
                              f"TP-{n} rank step (without comm) from the step model calibrated on the TP-1 rows, "
                              f"with the measured TP-{n} shard kernels where there are"))
@@ -290,7 +293,7 @@ def compare(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bo
     out = []
     at = POINT_KEY.index("impl")
     drop = lambda k: k[:at] + k[at + 1:] if relax_impl else k  # noqa: E731
-    got: dict[tuple, dict[str, Any]] = {}
+    got: dict[tuple, Row] = {}
     for p in preferred(rows_of(proj, "kernels")) if relax_impl else rows_of(proj, "kernels"):
         got.setdefault(drop(point_key(p)), p)
     fams: dict[str, list[Pair]] = {}
@@ -298,9 +301,9 @@ def compare(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bo
     for m in rows_of(tgt.tables, "kernels"):
         p = got.get(drop(point_key(m)))
         if p:
-            name = f"{label(p)} vs {m['impl']}" if relax_impl and p["impl"] != m["impl"] else label(m)
-            fams.setdefault(name, []).append((m["time_us_p50"], p["time_us_p50"], point_key(m)))
-            regs[name] = p["regime"] or "-"
+            name = f"{label(p)} vs {m.impl}" if relax_impl and p.impl != m.impl else label(m)
+            fams.setdefault(name, []).append((m.time_us_p50, p.time_us_p50, point_key(m)))
+            regs[name] = p.regime or "-"
     detail = "outside figures of another implementation: the gap is kdbench's kernel against theirs, " \
              "not only projection error" if relax_impl else "projected from the reference's own run"
     out += [summarise("cross-host", ref.name, tgt.name, f, regs[f], v, detail) for f, v in sorted(fams.items())]
@@ -317,8 +320,8 @@ def _e2e_pairs(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl:
     """(measured, projected, group) tokens/s of the target's e2e rows."""
     if not relax_impl:
         got = {e2e_key(e): e for e in rows_of(proj, "e2e")}
-        return [(m["tokens_per_s"], p["tokens_per_s"], e2e_key(m)) for m in rows_of(tgt.tables, "e2e")
-                if m["tokens_per_s"] for p in [got.get(e2e_key(m))] if p]
+        return [(m.tokens_per_s, p.tokens_per_s, e2e_key(m)) for m in rows_of(tgt.tables, "e2e")
+                if m.tokens_per_s for p in [got.get(e2e_key(m))] if p]
     # an outside serving figure states no tree budget, acceptance or prompt length: the step model
     # answers it at the reference's budget and shortest prompts, at each acceptance the reference
     # measured, and the median answer stands for it (the fastest would be biased up by construction)
@@ -326,14 +329,14 @@ def _e2e_pairs(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl:
     levels = calibration_rows(rows_of(ref.tables, "e2e"))
     out: list[Pair] = []
     for m in rows_of(tgt.tables, "e2e"):
-        cands = [r for r in levels if r.get("layers") == m.get("layers")]
-        if not m["tokens_per_s"] or not cands:
+        cands = [r for r in levels if r.layers == m.layers]
+        if not m.tokens_per_s or not cands:
             continue
         queries = [query_of(r) for r in cands]
         shortest = min(q.context for q in queries)
-        answers = [answer(model, replace(q, tp=tp_of(m), concurrency=m["concurrency"], context=shortest),
+        answers = [answer(model, replace(q, tp=tp_of(m), concurrency=m.concurrency, context=shortest),
                           config_of(r)).tokens_per_s for q, r in zip(queries, cands)]
-        out.append((m["tokens_per_s"], statistics.median(answers), e2e_key(m)))
+        out.append((m.tokens_per_s, statistics.median(answers), e2e_key(m)))
     return out
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from engine.rows import Row, table_rows
 from flows.inventory.hosts import Spec
 
 # All-reduce constants used when the reference has no comm measurement of its own.
@@ -39,8 +40,9 @@ class Machine:
 Tables = dict[str, pa.Table]
 
 
-def rows_of(tables: Tables, name: str) -> list[dict[str, Any]]:
-    return tables[name].to_pylist() if name in tables else []
+def rows_of(tables: Tables, name: str) -> list[Any]:
+    """The typed rows (engine.rows) of one of a run's tables; none where the run lacks the table."""
+    return table_rows(tables[name], name) if name in tables else []
 
 
 # -- ceilings -----------------------------------------------------------------------------------
@@ -84,10 +86,10 @@ class Ceilings:
 
 def measured_ceilings(runs: pa.Table, spec: Spec) -> Ceilings:
     """runs.copy_gbps / matmul_tflops against the spec (the spec itself when not measured)."""
-    rows = runs.to_pylist()
-    copy = max((r["copy_gbps"] for r in rows if r["copy_gbps"]), default=None)
-    mm = max((r["matmul_tflops"] for r in rows if r["matmul_tflops"]), default=None)
-    mm_dtype = "float32" if any(r["device"] == "cpu" for r in rows) else "bfloat16"   # as engine.bench times it
+    rows = table_rows(runs, "runs")
+    copy = max((r.copy_gbps for r in rows if r.copy_gbps), default=None)
+    mm = max((r.matmul_tflops for r in rows if r.matmul_tflops), default=None)
+    mm_dtype = "float32" if any(r.device == "cpu" for r in rows) else "bfloat16"   # as engine.bench times it
     return Ceilings(spec, copy / spec.mem_bw_gbps if copy else 1.0,
                     mm / peak_tflops(spec, mm_dtype) if mm else 1.0, mm_dtype)
 
@@ -122,17 +124,17 @@ class CommModel:
         return allreduce_us(nbytes, n, self.alpha_us, self.link_gbps * self.effs[which])
 
 
-def comm_model(comm_rows: list[dict[str, Any]], ref: Machine, target: Machine) -> CommModel:
+def comm_model(comm_rows: list[Row], ref: Machine, target: Machine) -> CommModel:
     """Alpha and link efficiency from the reference's all-reduce measurements, else defaults."""
     link = link_gbps(target.spec, target.interconnect)
     rows = [r for r in comm_rows
-            if r["op"] == "all_reduce" and r["status"] == "ok" and r["time_us_p50"] and r["busbw_gbps"]]
+            if r.op == "all_reduce" and r.status == "ok" and r.time_us_p50 and r.busbw_gbps]
     ref_link = link_gbps(ref.spec, ref.interconnect)
     if rows and ref_link:
-        small = min(r["bytes"] for r in rows)
-        alpha = min(r["time_us_p50"] for r in rows if r["bytes"] == small)
-        effs = sorted(min(r["busbw_gbps"] / ref_link, 1.0) for r in rows if r["bytes"] >= 1 << 24) \
-            or sorted(min(r["busbw_gbps"] / ref_link, 1.0) for r in rows)
+        small = min(r.bytes for r in rows)
+        alpha = min(r.time_us_p50 for r in rows if r.bytes == small)
+        effs = sorted(min(r.busbw_gbps / ref_link, 1.0) for r in rows if r.bytes >= 1 << 24) \
+            or sorted(min(r.busbw_gbps / ref_link, 1.0) for r in rows)
         return CommModel(alpha, (effs[0], effs[-1], effs[-1]), link, target.gpus, True)
     alpha = DEFAULT_ALPHA_US.get(target.interconnect, DEFAULT_ALPHA_US["pcie"])
     return CommModel(alpha, DEFAULT_LINK_EFF, link, target.gpus, False)

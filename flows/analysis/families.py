@@ -8,7 +8,7 @@ points and e2e rows are keyed when two tables are matched.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from engine.rows import COLUMNS, Row
 
 MEMORY, COMPUTE, HOST, LATENCY = "memory", "compute", "host", "latency"
 # A GPU point reaching under this share of both ceilings is bound by latency (serial steps, launches):
@@ -18,32 +18,32 @@ LATENCY_SHARE = 0.05
 DENSE = "dense_gemm"
 # The torch references of the tree kernels are Python loops on the host: GPU speed does not move them.
 HOST_SIDE = {("build_tree", "torch"), ("tree_accept", "torch")}
-POINT_KEY = ("kernel", "impl", "dtype", "M", "N", "K", "E", "top_k", "budget", "context", "batch", "tp", "op")
-E2E_KEY = ("config", "layers", "tp", "concurrency", "budget", "context", "synthetic_accept")
+C = COLUMNS
+POINT_KEY = (C.kernel, C.impl, C.dtype, C.M, C.N, C.K, C.E, C.top_k, C.budget, C.context, C.batch, C.tp, C.op)
+E2E_KEY = (C.config, C.layers, C.tp, C.concurrency, C.budget, C.context, C.synthetic_accept)
 # Term of the e2e step -> kernel families whose time makes it up (verify: per layer).
-TERM_FAMILIES = {"verify_ms": ("moe_w4a16", "mla_tree_attention"), "tree_build_ms": ("build_tree",),
-                 "accept_ms": ("tree_accept",)}
+TERM_FAMILIES = {C.verify_ms: ("moe_w4a16", "mla_tree_attention"), C.tree_build_ms: ("build_tree",),
+                 C.accept_ms: ("tree_accept",)}
 # The size axis of each family: what the size backtest holds out.
-SIZE_AXIS = {"moe_w4a16": "M", "mla_tree_attention": "context", "build_tree": "budget", "tree_accept": "budget",
-             "dense_gemm": "M"}
+SIZE_AXIS = {"moe_w4a16": C.M, "mla_tree_attention": C.context, "build_tree": C.budget, "tree_accept": C.budget,
+             "dense_gemm": C.M}
 E2E_CONTEXT = 512   # context of a short-prompt e2e step (prompts of 256-512 tokens plus the new ones)
 
-Row = Mapping[str, Any]
 
 
 def label(row: Row) -> str:
     """`kernel/impl`, the name a family goes by in tables and notes."""
-    return f"{row['kernel']}/{row['impl']}"
+    return f"{row.kernel}/{row.impl}"
 
 
 def tp_of(row: Row) -> int:
     """Tensor-parallel degree of a point or e2e row (1 where the file predates the column)."""
-    return int(row.get("tp") or 1)
+    return int(row.tp or 1)
 
 
 def host_side(row: Row) -> bool:
     """Points that run on the host whatever the GPU: CPU kernels and the Python tree references."""
-    return row["impl"] == "cpu" or (row["kernel"], row["impl"]) in HOST_SIDE
+    return row.impl == "cpu" or (row.kernel, row.impl) in HOST_SIDE
 
 
 def bound(t_bytes: float, t_flops: float) -> str:
@@ -56,31 +56,31 @@ def regime(row: Row, gbps: float | None, tflops: float | None) -> str:
         return HOST
     if not gbps or not tflops:
         return "-"
-    t_bytes, t_flops = row["bytes"] / (gbps * 1e3), row["flops"] / (tflops * 1e6)
-    if max(t_bytes, t_flops) < LATENCY_SHARE * row["time_us_p50"]:
+    t_bytes, t_flops = row.bytes / (gbps * 1e3), row.flops / (tflops * 1e6)
+    if max(t_bytes, t_flops) < LATENCY_SHARE * row.time_us_p50:
         return LATENCY
     return bound(t_bytes, t_flops)
 
 
 def point_key(row: Row) -> tuple:
-    return tuple(tp_of(row) if k == "tp" else row.get(k) for k in POINT_KEY)
+    return tuple(tp_of(row) if k == "tp" else getattr(row, k) for k in POINT_KEY)
 
 
 def e2e_key(row: Row, without: tuple[str, ...] = ()) -> tuple:
-    return tuple(tp_of(row) if k == "tp" else row.get(k) for k in E2E_KEY if k not in without)
+    return tuple(tp_of(row) if k == "tp" else getattr(row, k) for k in E2E_KEY if k not in without)
 
 
 def step_shapes(e2e: Row) -> dict[str, dict[str, float]]:
     """The kernel shape each family runs at in one step of an e2e point (attention over the row's
     prompt length where that is longer than a short-prompt step's context: the context axis)."""
-    conc, budget = e2e["concurrency"], e2e["budget"]
-    context = max(e2e.get("context") or 0, E2E_CONTEXT)
-    return {"moe_w4a16": {"M": conc * (budget + 1)},
-            "mla_tree_attention": {"batch": conc, "budget": budget, "context": context},
-            "build_tree": {"batch": conc, "budget": budget}, "tree_accept": {"batch": conc, "budget": budget}}
+    conc, budget = e2e.concurrency, e2e.budget
+    context = max(e2e.context or 0, E2E_CONTEXT)
+    return {"moe_w4a16": {C.M: conc * (budget + 1)},
+            "mla_tree_attention": {C.batch: conc, C.budget: budget, C.context: context},
+            "build_tree": {C.batch: conc, C.budget: budget}, "tree_accept": {C.batch: conc, C.budget: budget}}
 
 
-def preferred(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def preferred(rows: list[Row]) -> list[Row]:
     """The implementation a step runs: the engine's own kernels where the family has them (CUDA or
     Triton, whichever the host ran at each shape), else what there is (the torch reference)."""
-    return [r for r in rows if r["impl"] != "torch"] or rows
+    return [r for r in rows if r.impl != "torch"] or rows

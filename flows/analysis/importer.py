@@ -36,7 +36,7 @@ import pyarrow as pa
 
 from engine.config import CONFIGS
 from engine.costs import expected_experts
-from engine.schema import MANIFEST, MAX_ROWS, SchemaError, check_values, manifest_bytes, table_bytes, to_table
+from engine.schema import MANIFEST, MAX_ROWS, CommSource, SchemaError, check_values, manifest_bytes, table_bytes, to_table
 from flows.analysis.kernelfit import cost_of
 from flows.analysis.reference import OUTSIDE_ORIGINS, is_outside
 from flows.inventory.hosts import INDEX_PAGE, Interconnect, Inventory, is_page_name
@@ -237,7 +237,7 @@ def serving_rows(label: str, records: list[dict[str, Any]], run_id: str, gpus: i
                "tokens_per_s": _num(where, "tokens_per_s", r.get("tokens_per_s")),
                "layers": _num(where, "layers", r.get("layers", CONFIGS[config].layers), integer=True),
                "tp": tp, "budget": _num(where, "budget", r.get("budget", 0), integer=True, positive=False),
-               "comm_source": "measured" if tp > 1 else "none"}
+               "comm_source": CommSource.MEASURED if tp > 1 else CommSource.NONE}
         for col, dst in (("ttft_ms", "ttft_ms"), ("itl_ms", "itl_ms_p50"), ("accept_len_mean", "accept_len_mean")):
             if col in r:
                 row[dst] = _num(where, col, r[col])

@@ -23,12 +23,14 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.costs import build_tree_cost, expected_experts, mla_cost, moe_cost, tree_accept_cost
+from engine.rows import COLUMNS, Row
 from flows.analysis.carrier import Side, memory_gbps
 from flows.analysis.families import host_side, preferred, tp_of
 from flows.analysis.interp import Estimate, interpolate
 
-AXES = {"moe_w4a16": ("M",), "mla_tree_attention": ("batch", "budget", "context"),
-        "build_tree": ("batch", "budget"), "tree_accept": ("batch", "budget"), "dense_gemm": ("M",)}
+C = COLUMNS
+AXES = {"moe_w4a16": (C.M,), "mla_tree_attention": (C.batch, C.budget, C.context), "build_tree": (C.batch, C.budget),
+        "tree_accept": (C.batch, C.budget), "dense_gemm": (C.M,)}
 SHARED_COMPUTE = {"moe_w4a16"}
 KEPT = {"build_tree", "tree_accept"}     # latency-bound on every GPU: carried unchanged
 Key = tuple                              # a shape class: (tp,) or, for dense GEMMs, (op, tp)
@@ -102,13 +104,13 @@ class FamilyModel:
 def cost_of(fam: str, cfg: ModelConfig, shape: Mapping[str, float], tp: int = 1) -> tuple[float, float]:
     """(bytes, flops) of a family at a shape (engine.costs), the routed experts at the expected unique count."""
     if fam == "moe_w4a16":
-        m = int(shape["M"])
+        m = int(shape[C.M])
         return moe_cost(cfg, m, expected_experts(cfg.experts, cfg.top_k, m), tp=tp)
     if fam == "mla_tree_attention":
-        return mla_cost(cfg, int(shape["batch"]), int(shape["budget"]), int(shape["context"]), tp=tp)
+        return mla_cost(cfg, int(shape[C.batch]), int(shape[C.budget]), int(shape[C.context]), tp=tp)
     if fam == "build_tree":
-        return build_tree_cost(cfg, int(shape["batch"]), int(shape["budget"]))
-    return tree_accept_cost(cfg, int(shape["batch"]), int(shape["budget"]))
+        return build_tree_cost(cfg, int(shape[C.batch]), int(shape[C.budget]))
+    return tree_accept_cost(cfg, int(shape[C.batch]), int(shape[C.budget]))
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -125,17 +127,17 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
-def class_key(row: Mapping[str, Any]) -> Key:
-    return (row["op"], tp_of(row)) if row["kernel"] == "dense_gemm" else (tp_of(row),)
+def class_key(row: Row) -> Key:
+    return (row.op, tp_of(row)) if row.kernel == "dense_gemm" else (tp_of(row),)
 
 
-def fit_family(name: str, rows: Sequence[Mapping[str, Any]], gbps: float, tflops: float) -> FamilyModel:
+def fit_family(name: str, rows: Sequence[Row], gbps: float, tflops: float) -> FamilyModel:
     """The family's model from its measured points (the engine's preferred impl at each shape).
 
     Classes with fewer points than parameters fall back to the roofline at the ceilings (with the
     points' own ratio to it)."""
-    groups: dict[Key, list[Mapping[str, Any]]] = {}
-    for r in preferred([r for r in rows if r["kernel"] == name and not host_side(r)]):
+    groups: dict[Key, list[Row]] = {}
+    for r in preferred([r for r in rows if r.kernel == name and not host_side(r)]):
         groups.setdefault(class_key(r), []).append(r)
     shared = name in SHARED_COMPUTE and sum(len(g) >= 2 for g in groups.values()) >= 1
     keys = sorted(groups, key=repr)
@@ -144,13 +146,13 @@ def fit_family(name: str, rows: Sequence[Mapping[str, Any]], gbps: float, tflops
     classes = {}
     for k in keys:
         fit = None if name in KEPT else fits.get(k) or default
-        samples = tuple(({a: float(p.get(a) or 0) for a in AXES[name]},
-                         p["time_us_p50"] / (fit.us(p["bytes"], p["flops"]) if fit else 1.0)) for p in groups[k])
-        classes[k] = ShapeClass(fit, samples, k[-1], groups[k][0]["dtype"])
+        samples = tuple(({a: float(getattr(p, a) or 0) for a in AXES[name]},
+                         p.time_us_p50 / (fit.us(p.bytes, p.flops) if fit else 1.0)) for p in groups[k])
+        classes[k] = ShapeClass(fit, samples, k[-1], groups[k][0].dtype)
     return FamilyModel(name, classes)
 
 
-def _fit(keys: list[Key], groups: dict[Key, list[Mapping[str, Any]]], shared: bool) -> dict[Key, Fit]:
+def _fit(keys: list[Key], groups: dict[Key, list[Row]], shared: bool) -> dict[Key, Fit]:
     """Per class (latency, us/byte, us/flop); with `shared`, one us/flop for all fitted classes."""
     fitted = [k for k in keys if len(groups[k]) >= (3 if not shared else 2)]
     if not fitted:
@@ -163,9 +165,9 @@ def _fit(keys: list[Key], groups: dict[Key, list[Mapping[str, Any]]], shared: bo
         for i, k in enumerate(block):
             for p in groups[k]:
                 v = np.zeros(width)
-                v[2 * i], v[2 * i + 1], v[-1] = 1.0, p["bytes"], p["flops"]
+                v[2 * i], v[2 * i + 1], v[-1] = 1.0, p.bytes, p.flops
                 rows.append(v)
-                ts.append(p["time_us_p50"])
+                ts.append(p.time_us_p50)
         a, t = np.array(rows), np.array(ts)
         scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
         x = _nnls(a / t[:, None] / scale, np.ones_like(t)) / scale
@@ -174,11 +176,11 @@ def _fit(keys: list[Key], groups: dict[Key, list[Mapping[str, Any]]], shared: bo
     return out
 
 
-def fit_all(rows: Sequence[Mapping[str, Any]], ceilings: Any) -> dict[str, FamilyModel]:
+def fit_all(rows: Sequence[Row], ceilings: Any) -> dict[str, FamilyModel]:
     """Every known family's model; `ceilings.of(dtype)` gives the (GB/s, TFLOP/s) of the fallback roofline."""
     out = {}
     for name in AXES:
-        pts = [r for r in rows if r["kernel"] == name and not host_side(r)]
+        pts = [r for r in rows if r.kernel == name and not host_side(r)]
         if pts:
-            out[name] = fit_family(name, pts, *ceilings.of(pts[0]["dtype"]))
+            out[name] = fit_family(name, pts, *ceilings.of(pts[0].dtype))
     return out

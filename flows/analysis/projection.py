@@ -24,7 +24,8 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from engine.schema import provenance, to_table
+from engine.rows import COLUMNS, CommRow, E2ERow, Row, RunRow
+from engine.schema import CommSource, PointStatus, provenance, to_table
 from flows.analysis.assumptions import (Assumption, BandEvidence, Comm, E2eNotMeasured, E2eWithoutSplit, Kept,
                                         KernelModels, ReferenceCeilings, SkippedPoint, StepModel, TargetCeilings,
                                         TensorParallel, TpCarry, parse, record)
@@ -40,7 +41,8 @@ from flows.analysis.stepmodel import (COLUMN, FAMILIES, Model, answer, build, ca
 __all__ = ["ALLREDUCES_PER_LAYER", "Machine", "ProjectionError", "Tables", "allreduce_us", "assumptions",
            "breakdown", "has_split", "measured_ceilings", "project", "project_point", "rows_of"]
 
-TERMS = ("draft_ms", "tree_build_ms", "verify_ms", "accept_ms", "other_ms", "comm_ms")
+TERMS = (COLUMNS.draft_ms, COLUMNS.tree_build_ms, COLUMNS.verify_ms, COLUMNS.accept_ms, COLUMNS.other_ms,
+         COLUMNS.comm_ms)
 # What launching a GPU kernel costs on the host, kept as is on any target (capped at half a point's time).
 LAUNCH_FLOOR_US = 3.0
 # The reference's skipped e2e points named in the assumptions (each reason cut): a bounded provenance.
@@ -54,37 +56,37 @@ def assumptions(tables: Tables) -> list[Assumption]:
 
 # -- kernel points ------------------------------------------------------------------------------
 
-def _ideal_us(row: dict[str, Any], bw_gbps: float, tflops: float) -> tuple[float, float]:
+def _ideal_us(row: Row, bw_gbps: float, tflops: float) -> tuple[float, float]:
     """Roofline times (us) of the point's bytes and flops at the given ceilings."""
-    return row["bytes"] / (bw_gbps * 1e3), row["flops"] / (tflops * 1e6)
+    return row.bytes / (bw_gbps * 1e3), row.flops / (tflops * 1e6)
 
 
-def launch_floor(row: dict[str, Any]) -> float:
-    return min(LAUNCH_FLOOR_US, 0.5 * row["time_us_p50"])
+def launch_floor(row: Row) -> float:
+    return min(LAUNCH_FLOOR_US, 0.5 * row.time_us_p50)
 
 
-def own_effs(row: dict[str, Any], t_us: float, bw: float, tfl: float) -> tuple[float, float]:
+def own_effs(row: Row, t_us: float, bw: float, tfl: float) -> tuple[float, float]:
     """The point's efficiency on bandwidth and on flops: roofline time over the time above the floor."""
     tb, tf = _ideal_us(row, bw, tfl)
     work = max(t_us - launch_floor(row), 1e-9)
     return tb / work, tf / work
 
 
-def family_effs(rows: Sequence[dict[str, Any]], ceil: Ceilings) -> dict[tuple, dict[str, list[float]]]:
+def family_effs(rows: Sequence[Row], ceil: Ceilings) -> dict[tuple, dict[str, list[float]]]:
     """Per (kernel, impl, dtype): efficiencies of the points bound by each resource, for borrowing."""
     out: dict[tuple, dict[str, list[float]]] = {}
     for r in rows:
         if host_side(r):
             continue
-        bw, tfl = ceil.of(r["dtype"])
-        e_bw, e_fl = own_effs(r, r["time_us_p50"], bw, tfl)
-        fam = out.setdefault((r["kernel"], r["impl"], r["dtype"]), {MEMORY: [], COMPUTE: []})
+        bw, tfl = ceil.of(r.dtype)
+        e_bw, e_fl = own_effs(r, r.time_us_p50, bw, tfl)
+        fam = out.setdefault((r.kernel, r.impl, r.dtype), {MEMORY: [], COMPUTE: []})
         which = bound(*_ideal_us(r, bw, tfl))
         fam[which].append(e_bw if which == MEMORY else e_fl)
     return out
 
 
-def project_point(row: dict[str, Any], ref: tuple[float, float], tgt: tuple[float, float],
+def project_point(row: Row, ref: tuple[float, float], tgt: tuple[float, float],
                   fam: dict[str, list[float]] | None) -> dict[str, Any]:
     """One kernel point on the target: time, low-high band, regime on both sides.
 
@@ -93,16 +95,15 @@ def project_point(row: dict[str, Any], ref: tuple[float, float], tgt: tuple[floa
     on it), so a point that crosses the ridge on the target is timed by its family's efficiency.
     """
     if host_side(row):
-        t = row["time_us_p50"]
-        return {"time_us_p50": t, "time_us_low": row["time_us_p10"] or t,
-                "time_us_high": row["time_us_p90"] or t, "regime": HOST, "reference_regime": HOST}
+        t = row.time_us_p50
+        return dict(time_us_p50=t, time_us_low=row.time_us_p10 or t, time_us_high=row.time_us_p90 or t, regime=HOST,
+                    reference_regime=HOST)
     if regime(row, *ref) == LATENCY:   # kept; the band reaches the roofline-scaled time
-        t, floor = row["time_us_p50"], launch_floor(row)
+        t, floor = row.time_us_p50, launch_floor(row)
         at_ref, at_tgt = max(_ideal_us(row, *ref)), max(_ideal_us(row, *tgt))
         scaled = floor + (t - floor) * at_tgt / at_ref if at_ref else t
-        return {"time_us_p50": t, "time_us_low": min(row["time_us_p10"] or t, scaled),
-                "time_us_high": max(row["time_us_p90"] or t, scaled), "regime": LATENCY,
-                "reference_regime": LATENCY}
+        return dict(time_us_p50=t, time_us_low=min(row.time_us_p10 or t, scaled),
+                    time_us_high=max(row.time_us_p90 or t, scaled), regime=LATENCY, reference_regime=LATENCY)
     floor = launch_floor(row)
     tb_ref, tf_ref = _ideal_us(row, *ref)
     tb_tgt, tf_tgt = _ideal_us(row, *tgt)
@@ -110,7 +111,7 @@ def project_point(row: dict[str, Any], ref: tuple[float, float], tgt: tuple[floa
     other = COMPUTE if which == MEMORY else MEMORY
     borrowed = sorted((fam or {}).get(other, []))
     cands = [statistics.median(borrowed), borrowed[0], borrowed[-1]] if borrowed else [None]
-    times = [row[k] for k in ("time_us_p50", "time_us_p10", "time_us_p90") if row.get(k)]
+    times = [t for t in (row.time_us_p50, row.time_us_p10, row.time_us_p90) if t]
     results = []
     for t in times:
         e_bw, e_fl = own_effs(row, t, *ref)
@@ -123,38 +124,38 @@ def project_point(row: dict[str, Any], ref: tuple[float, float], tgt: tuple[floa
             results.append((max(a, b) + floor, bound(a, b)))
     t, reg = results[0]
     every = [x for x, _ in results]
-    return {"time_us_p50": t, "time_us_low": min(every), "time_us_high": max(every),
-            "regime": reg, "reference_regime": which}
+    return dict(time_us_p50=t, time_us_low=min(every), time_us_high=max(every), regime=reg,
+                reference_regime=which)
 
 
-def _spread(row: dict[str, Any]) -> float:
+def _spread(row: Row) -> float:
     """Half the point's p10-p90 spread, relative to its median."""
-    lo, hi = row.get("time_us_p10"), row.get("time_us_p90")
-    return (hi - lo) / 2 / row["time_us_p50"] if lo and hi else 0.0
+    lo, hi = row.time_us_p10, row.time_us_p90
+    return (hi - lo) / 2 / row.time_us_p50 if lo and hi else 0.0
 
 
-def measured_band(row: dict[str, Any]) -> Band:
+def measured_band(row: Row) -> Band:
     """The point's own p10 and p90 over its median: the band of a figure carried to the machine it
     was measured on (multipliers, so a spread wider than the median never makes a time negative)."""
-    lo, hi, mid = row.get("time_us_p10"), row.get("time_us_p90"), row["time_us_p50"]
+    lo, hi, mid = row.time_us_p10, row.time_us_p90, row.time_us_p50
     return Band(min(lo / mid, 1.0) if lo else 1.0, max(hi / mid, 1.0) if hi else 1.0)
 
 
-def project_kernels(rows: list[dict[str, Any]], model: Model, evidence: Sequence[Any], run_id: str,
-                    ref_run_id: str) -> list[dict[str, Any]]:
+def project_kernels(rows: list[Row], model: Model, evidence: Sequence[Any], run_id: str,
+                    ref_run_id: str) -> list[Row]:
     """Every measured point on the target: by its family's kernel model where kdbench has one (its band
     from the cross-host evidence of that family; the p10-p90 spread on the reference's own machine),
     else by `project_point`."""
     effs = family_effs(rows, model.ref_c)
     out = []
     for r in rows:
-        fam = model.fams.get(r["kernel"])
+        fam = model.fams.get(r.kernel)
         got = None if fam is None or host_side(r) else fam.time_us(
-            class_key(r), {a: float(r.get(a) or 0) for a in AXES[fam.family]}, r["bytes"], r["flops"],
+            class_key(r), {a: float(getattr(r, a) or 0) for a in AXES[fam.family]}, r.bytes, r.flops,
             model.carry)
         if got is None:
-            p = project_point(r, model.ref_c.of(r["dtype"]), model.tgt_c.of(r["dtype"]),
-                              effs.get((r["kernel"], r["impl"], r["dtype"])))
+            p = project_point(r, model.ref_c.of(r.dtype), model.tgt_c.of(r.dtype),
+                              effs.get((r.kernel, r.impl, r.dtype)))
         else:
             t = got[0].value
             if model.cross_host:
@@ -164,62 +165,61 @@ def project_kernels(rows: list[dict[str, Any]], model: Model, evidence: Sequence
                                _spread(r))
             else:
                 band = measured_band(r)
-            p = {"time_us_p50": t, "time_us_low": t * band.low if band.known else None,
-                 "time_us_high": t * band.high if band.known else None,
-                 "regime": regime({**r, "time_us_p50": t}, *model.tgt_c.of(r["dtype"])) if not host_side(r) else HOST,
-                 "reference_regime": regime(r, *model.ref_c.of(r["dtype"]))}
-        t = p["time_us_p50"]
-        out.append({**r, **p, "run_id": run_id, "source": "projected", "reference_run_id": ref_run_id,
-                    "device": "cpu" if model.target.spec.arch == "cpu" else "cuda",
-                    "time_us_p10": None, "time_us_p90": None,
-                    "achieved_gbps": r["bytes"] / (t * 1e3), "achieved_tflops": r["flops"] / (t * 1e6)})
+            p = dict(time_us_p50=t, time_us_low=t * band.low if band.known else None,
+                     time_us_high=t * band.high if band.known else None,
+                     regime=regime(replace(r, time_us_p50=t), *model.tgt_c.of(r.dtype)) if not host_side(r) else HOST,
+                     reference_regime=regime(r, *model.ref_c.of(r.dtype)))
+        q = replace(r, **p, run_id=run_id, source="projected", reference_run_id=ref_run_id,
+                    device="cpu" if model.target.spec.arch == "cpu" else "cuda", time_us_p10=None, time_us_p90=None)
+        out.append(replace(q, achieved_gbps=r.bytes / (q.time_us_p50 * 1e3),
+                           achieved_tflops=r.flops / (q.time_us_p50 * 1e6)))
     return out
 
 
 # -- communication ----------------------------------------------------------------------------
 
-def project_comm(model: CommModel, run_id: str) -> list[dict[str, Any]]:
+def project_comm(model: CommModel, run_id: str) -> list[Row]:
     if model.n <= 1 or not model.link_gbps:
         why = "one GPU" if model.n <= 1 else "no link bandwidth in the spec sheet"
-        return [{"run_id": run_id, "op": "all_reduce", "world_size": model.n, "bytes": 0,
-                 "status": "skipped", "skip_reason": why, "source": "projected"}]
+        return [CommRow(run_id=run_id, op="all_reduce", world_size=model.n, bytes=0, status=PointStatus.SKIPPED,
+                        skip_reason=why, source="projected")]
     out = []
     for p in range(10, 31, 4):   # 1 KiB .. 1 GiB
         nbytes = 1 << p
         t = model.time_us(nbytes)
         alg = nbytes / (t * 1e3)
-        out.append({"run_id": run_id, "op": "all_reduce", "world_size": model.n, "bytes": nbytes,
-                    "time_us_p50": t, "algbw_gbps": alg, "busbw_gbps": alg * 2 * (model.n - 1) / model.n,
-                    "status": "ok", "source": "projected"})
+        out.append(CommRow(run_id=run_id, op="all_reduce", world_size=model.n, bytes=nbytes, time_us_p50=t,
+                           algbw_gbps=alg, busbw_gbps=alg * 2 * (model.n - 1) / model.n, status=PointStatus.OK,
+                           source="projected"))
     return out
 
 
 # -- end to end ---------------------------------------------------------------------------------
 
-def breakdown(row: dict[str, Any]) -> dict[str, float]:
+def breakdown(row: Row) -> dict[str, float]:
     """The step split in ms; whatever the terms do not cover of the p50 step counts as other_ms."""
-    terms = {t: float(row.get(t) or 0.0) for t in TERMS}
-    rest = (row.get("step_ms_p50") or 0.0) - sum(terms.values())
+    terms = {t: float(getattr(row, t) or 0.0) for t in TERMS}
+    rest = (row.step_ms_p50 or 0.0) - sum(terms.values())
     if rest > 0:
-        terms["other_ms"] += rest
+        terms[COLUMNS.other_ms] += rest
     return terms
 
 
-def has_split(row: dict[str, Any]) -> bool:
+def has_split(row: Row) -> bool:
     """Whether the row says how its step divides (an outside serving figure does not)."""
-    return any(row.get(t) is not None for t in TERMS)
+    return any(getattr(row, t) is not None for t in TERMS)
 
 
-def choose_rows(rows: list[dict[str, Any]], tp: int) -> list[dict[str, Any]]:
+def choose_rows(rows: list[Row], tp: int) -> list[Row]:
     """Per e2e point (any TP degree), the row a TP-`tp` target is carried from: the nearest degree."""
-    groups: dict[tuple, list[dict[str, Any]]] = {}
+    groups: dict[tuple, list[Row]] = {}
     for r in rows:
         groups.setdefault(e2e_key(r, without=("tp",)), []).append(r)
     return [min(groups[k], key=lambda r: (abs(tp_of(r) - tp), -tp_of(r))) for k in sorted(groups, key=repr)]
 
 
 def project_e2e(tables: Tables, model: Model, evidence: Sequence[Any], run_id: str,
-                ref_run_id: str) -> tuple[list[dict[str, Any]], list[TpCarry]]:
+                ref_run_id: str) -> tuple[list[Row], list[TpCarry]]:
     """Each measured point as one rank of a TP-(target GPUs) deployment, by the step model. Returns the
     rows and, per source degree, how it was carried."""
     tp = max(model.target.gpus, 1)
@@ -230,18 +230,19 @@ def project_e2e(tables: Tables, model: Model, evidence: Sequence[Any], run_id: s
         s = answer(model, replace(query_of(r), tp=tp), config_of(r))
         carried[tp_of(r)] = carried.get(tp_of(r), 0) + 1
         # tokens a step as the reference measured them (accepted drafts + 1 bonus, its decode's tail included)
-        per_step = r["tokens_per_s"] * (r["step_ms_p50"] + (r.get("comm_ms") or 0.0)) / 1e3 / r["concurrency"] \
-            if r["tokens_per_s"] else (r["accept_len_mean"] or 0.0) + 1.0
-        tps = r["concurrency"] * per_step / (s.step_ms + s.ms["comm"]) * 1e3
+        per_step = r.tokens_per_s * (r.step_ms_p50 + (r.comm_ms or 0.0)) / 1e3 / r.concurrency \
+            if r.tokens_per_s else (r.accept_len_mean or 0.0) + 1.0
+        tps = r.concurrency * per_step / (s.step_ms + s.ms["comm"]) * 1e3
         low, high = step_band(s, evidence, spread).of_rate(tps)
-        out.append({**{k: r.get(k) for k in ("config", "layers", "concurrency", "budget", "context", "synthetic_accept",
-                                              "accept_len_mean", "weight_sets", "vocab")},
-                    **{COLUMN[f]: s.ms[f] for f in FAMILIES}, "comm_ms": s.ms["comm"],
-                    "kernel_ms": s.step_ms - s.ms["host"], "outside_ms": s.ms["host"],
-                    "tp": tp, "comm_source": "modelled" if tp > 1 else "none",
-                    "run_id": run_id, "device": "cpu" if model.target.spec.arch == "cpu" else "cuda",
-                    "step_ms_p50": s.step_ms, "tokens_per_s": tps, "tokens_per_s_low": low, "tokens_per_s_high": high,
-                    "source": "projected", "reference_run_id": ref_run_id})
+        out.append(E2ERow(config=r.config, layers=r.layers, concurrency=r.concurrency, budget=r.budget,
+                          context=r.context, synthetic_accept=r.synthetic_accept, accept_len_mean=r.accept_len_mean,
+                          weight_sets=r.weight_sets, vocab=r.vocab,
+                          **{COLUMN[f]: s.ms[f] for f in FAMILIES}, comm_ms=s.ms["comm"],
+                          kernel_ms=s.step_ms - s.ms["host"], outside_ms=s.ms["host"],
+                          tp=tp, comm_source=CommSource.MODELLED if tp > 1 else CommSource.NONE,
+                          run_id=run_id, device="cpu" if model.target.spec.arch == "cpu" else "cuda",
+                          step_ms_p50=s.step_ms, tokens_per_s=tps, tokens_per_s_low=low, tokens_per_s_high=high,
+                          source="projected", reference_run_id=ref_run_id))
     return out, [TpCarry(t, "same" if t == tp else "model", n) for t, n in sorted(carried.items())]
 
 
@@ -256,8 +257,8 @@ def projected_run_id(target: str, ref_run_id: str) -> str:
 class _Parts:
     run_id: str
     model: Model
-    kproj: list[dict[str, Any]]
-    eproj: list[dict[str, Any]]
+    kproj: list[Row]
+    eproj: list[Row]
     tp_how: list[TpCarry]
     comm: CommModel
     skipped_e2e: int
@@ -267,52 +268,60 @@ class _Parts:
 def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str, evidence: Sequence[Any]) -> _Parts:
     if "runs" not in tables:
         raise ProjectionError(f"reference from {ref.name} has no runs table")
-    ref_run_id = tables["runs"].column("run_id")[0].as_py()
+    ref_run_id = tables["runs"].column(COLUMNS.run_id)[0].as_py()
     model = build(tables, ref, target)
-    kern = [r for r in rows_of(tables, "kernels") if r["source"] == "measured"]
+    kern = [r for r in rows_of(tables, "kernels") if r.source == "measured"]
     kproj = project_kernels(kern, model, evidence, run_id, ref_run_id)
     comm = comm_model(rows_of(tables, "comm"), ref, target)
     eproj, how = project_e2e(tables, model, evidence, run_id, ref_run_id)
-    e2e = [r for r in rows_of(tables, "e2e") if r["source"] == "measured"]
-    ok = [r for r in e2e if r["status"] == "ok"]
-    skipped = [SkippedPoint(tp_of(r), r["concurrency"], r["budget"], r["context"],
-                            (r["skip_reason"] or "-")[:SKIP_REASON_CHARS], r["synthetic_accept"])
-               for r in e2e if r["status"] != "ok"]
+    e2e = [r for r in rows_of(tables, "e2e") if r.source == "measured"]
+    ok = [r for r in e2e if r.status == "ok"]
+    skipped = [SkippedPoint(tp_of(r), r.concurrency, r.budget, r.context,
+                            (r.skip_reason or "-")[:SKIP_REASON_CHARS], r.synthetic_accept)
+               for r in e2e if r.status != "ok"]
     return _Parts(run_id, model, kproj, eproj, how, comm, sum(1 for r in ok if not has_split(r)), skipped)
 
 
-def _widen(low: float | None, high: float | None, other: dict[str, Any], central: str, lo_k: str,
-           hi_k: str) -> tuple[float | None, float | None]:
-    """A band widened to take in another reference's figure and band (an unknown band stays unknown)."""
+def _widen(low: float | None, high: float | None, central: float, o_low: float | None,
+           o_high: float | None) -> tuple[float | None, float | None]:
+    """A band widened to take in another reference's figure (`central`) and band (an unknown band stays
+    unknown)."""
     if low is None or high is None:
         return low, high
-    return (min(low, other[lo_k] if other[lo_k] is not None else low, other[central]),
-            max(high, other[hi_k] if other[hi_k] is not None else high, other[central]))
+    return (min(low, o_low if o_low is not None else low, central),
+            max(high, o_high if o_high is not None else high, central))
+
+
+def _widen_point(p: Row, o: Row | None) -> Row:
+    if o is None:
+        return p
+    low, high = _widen(p.time_us_low, p.time_us_high, o.time_us_p50, o.time_us_low, o.time_us_high)
+    return replace(p, time_us_low=low, time_us_high=high)
+
+
+def _widen_e2e(e: Row, o: Row | None) -> Row:
+    if o is None:
+        return e
+    low, high = _widen(e.tokens_per_s_low, e.tokens_per_s_high, o.tokens_per_s, o.tokens_per_s_low, o.tokens_per_s_high)
+    return replace(e, tokens_per_s_low=low, tokens_per_s_high=high)
 
 
 def project(tables: Tables, ref: Machine, target: Machine,
             also: Sequence[tuple[Tables, Machine]] = (), evidence: Sequence[Any] = ()) -> Tables:
     """The reference's measured tables carried onto `target`, bands from `evidence` (stored backtest
     rows); further references widen the band."""
-    ref_runs = tables["runs"].to_pylist() if "runs" in tables else []
+    ref_runs = rows_of(tables, "runs")
     if not ref_runs:
         raise ProjectionError(f"reference from {ref.name} has no runs rows")
-    ref_run_id = ref_runs[0]["run_id"]
+    ref_run_id = ref_runs[0].run_id
     run_id = projected_run_id(target.name, ref_run_id)
     main = _parts(tables, ref, target, run_id, evidence)
     for x in (_parts(t, m, target, run_id, evidence) for t, m in also):
-        other = {point_key(p): p for p in x.kproj}
-        for p in main.kproj:
-            if (o := other.get(point_key(p))):
-                p["time_us_low"], p["time_us_high"] = _widen(p["time_us_low"], p["time_us_high"], o, "time_us_p50",
-                                                             "time_us_low", "time_us_high")
-        other = {e2e_key(e): e for e in x.eproj}
-        for e in main.eproj:
-            if (o := other.get(e2e_key(e))):
-                e["tokens_per_s_low"], e["tokens_per_s_high"] = _widen(
-                    e["tokens_per_s_low"], e["tokens_per_s_high"], o, "tokens_per_s", "tokens_per_s_low",
-                    "tokens_per_s_high")
-    refs = [ref_run_id] + [t["runs"].column("run_id")[0].as_py() for t, _ in also]
+        kern = {point_key(p): p for p in x.kproj}
+        main.kproj = [_widen_point(p, kern.get(point_key(p))) for p in main.kproj]
+        e2e = {e2e_key(e): e for e in x.eproj}
+        main.eproj = [_widen_e2e(e, e2e.get(e2e_key(e))) for e in main.eproj]
+    refs = [ref_run_id] + [t["runs"].column(COLUMNS.run_id)[0].as_py() for t, _ in also]
     records = [record(a) for a in assumption_records(ref, target, ref_run_id, main, refs)]
     prov_ref = provenance(tables["runs"])
     spec_figs = target.spec.model_dump(exclude={"sources"})
@@ -322,27 +331,26 @@ def project(tables: Tables, ref: Machine, target: Machine,
             "started_at": prov_ref.get("started_at"), "ended_at": prov_ref.get("ended_at"),
             "reference_run_id": ref_run_id, "reference_host": ref.name, "references": refs,
             "spec": spec_figs, "assumptions": records}
-    if target.gpus > 1 and not any(r["suite"] == "comm" for r in ref_runs):
-        ref_runs.append({**ref_runs[0], "suite": "comm"})
+    if target.gpus > 1 and not any(r.suite == "comm" for r in ref_runs):
+        ref_runs.append(replace(ref_runs[0], suite="comm"))
     comm_rows = project_comm(main.comm, run_id)
     runs = []
     for r in ref_runs:
-        suite = r["suite"]
+        suite = r.suite
         n = {"kernels": len(main.kproj), "e2e": len(main.eproj), "comm": len(comm_rows)}.get(suite, 0)
-        status = "skipped" if suite == "comm" and comm_rows[0]["status"] == "skipped" else "complete"
-        runs.append({"run_id": run_id, "host": target.name, "suite": suite, "profile": r["profile"],
-                     "status": status, "gpu_name": target.spec.gpu, "gpu_count": target.gpus,
-                     "arch": target.spec.arch, "device": device, "started_at": r["started_at"],
-                     "ended_at": r["ended_at"], "copy_gbps": main.model.tgt_c.gbps, "matmul_tflops": main.model.tgt_c.tflops(),
-                     "points": n, "source": "projected",
-                     "note": json.dumps({"reference_run_id": ref_run_id, "spec": spec_figs,
-                                         "assumptions": records}, sort_keys=True)})
+        status = "skipped" if suite == "comm" and comm_rows[0].status == "skipped" else "complete"
+        runs.append(RunRow(run_id=run_id, host=target.name, suite=suite, profile=r.profile, status=status,
+                           gpu_name=target.spec.gpu, gpu_count=target.gpus, arch=target.spec.arch, device=device,
+                           started_at=r.started_at, ended_at=r.ended_at, copy_gbps=main.model.tgt_c.gbps,
+                           matmul_tflops=main.model.tgt_c.tflops(), points=n, source="projected",
+                           note=json.dumps({"reference_run_id": ref_run_id, "spec": spec_figs,
+                                            "assumptions": records}, sort_keys=True)))
     out = {"runs": to_table("runs", runs, prov)}
     if "kernels" in tables:
         out["kernels"] = to_table("kernels", main.kproj, prov)
     if "e2e" in tables:
         out["e2e"] = to_table("e2e", main.eproj, prov)
-    if any(r["suite"] == "comm" for r in runs):
+    if any(r.suite == "comm" for r in runs):
         out["comm"] = to_table("comm", comm_rows, prov)
     return out
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from engine.rows import COLUMNS
 from engine.schema import SchemaError, check_values, provenance
-from flows.analysis.projection import Machine, ProjectionError, Tables, project
+from flows.analysis.projection import Machine, ProjectionError, Tables, project, rows_of
 from flows.inventory.hosts import Inventory
 from flows.store.layout import StoreError
 from flows.store.store import Store
@@ -66,15 +67,15 @@ def as_dataset(name: str, tables: Tables, inv: Inventory) -> Dataset:
             check_values(table, f"{t}.arrow")
         except SchemaError as e:
             raise ProjectionError(f"reference {name!r}: {e}") from None
-    row = tables["runs"].to_pylist()[0]
+    row = rows_of(tables, "runs")[0]
     prov = provenance(tables["runs"])
     try:
-        machine = machine_of(inv, row["host"], prov.get("spec"), prov.get("gpu_count") if prov.get("spec") else None,
+        machine = machine_of(inv, row.host, prov.get("spec"), prov.get("gpu_count") if prov.get("spec") else None,
                              prov.get("interconnect"))
     except ProjectionError:
-        raise ProjectionError(f"reference {name!r} ran on host {row['host']!r}, which has no spec sheet in "
+        raise ProjectionError(f"reference {name!r} ran on host {row.host!r}, which has no spec sheet in "
                               "hosts/specs/ (an imported dataset names one in its provenance: spec)") from None
-    return Dataset(name=name, machine=machine, run_id=row["run_id"], tables=tables)
+    return Dataset(name=name, machine=machine, run_id=row.run_id, tables=tables)
 
 
 def load_reference(store: Store, inv: Inventory, name: str) -> Dataset:
@@ -122,7 +123,7 @@ def project_host(store: Store, inv: Inventory, target: str, reference: str = "h2
     ref, *more = [load_reference(store, inv, name) for name in (reference, *also)]
     tables = project(ref.tables, ref.machine, machine_of(inv, target),
                      also=[(d.tables, d.machine) for d in more], evidence=evidence)
-    run_id = tables["runs"].column("run_id")[0].as_py()
+    run_id = tables["runs"].column(COLUMNS.run_id)[0].as_py()
     store.put_tables(target, run_id, tables)
     return run_id
 

@@ -29,10 +29,11 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 from engine.config import CONFIGS, ModelConfig
 from engine.costs import dense_op_cost, dense_op_rows, dense_ops
+from engine.rows import COLUMNS, Row
 from flows.analysis.carrier import SHARE, Side, how
 from flows.analysis.families import E2E_CONTEXT, e2e_key, tp_of
 from flows.analysis.interp import Estimate, Sample, interpolate
@@ -116,7 +117,7 @@ class Model:
     target: Machine
     ref_c: Ceilings
     tgt_c: Ceilings
-    comm_rows: tuple[Mapping[str, Any], ...]
+    comm_rows: tuple[Row, ...]
     cal: Calibration
     ref_run_id: str
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -131,8 +132,8 @@ class Model:
         return Carry(Side.of(self.ref.spec, *self.ref_c.of(dtype)), Side.of(self.target.spec, *self.tgt_c.of(dtype)))
 
 
-def config_of(row: Mapping[str, Any]) -> ModelConfig:
-    return CONFIGS.get(str(row["config"]).split("/")[0], CONFIGS["k2"])
+def config_of(row: Row) -> ModelConfig:
+    return CONFIGS.get(str(row.config).split("/")[0], CONFIGS["k2"])
 
 
 def layer_counts(cfg: ModelConfig, layers: int) -> dict[str, int]:
@@ -169,11 +170,12 @@ def suite_ms(m: Model, cfg: ModelConfig, q: Query, on_target: bool = True) -> _A
         fam = m.fams.get(name)
         return fam.time_us(key, shape, *cost, m.carry if on_target else None) if fam else None
 
-    for fam, name, shape, count in (("moe", "moe_w4a16", {"M": tokens}, n["moe_layer"]),
-                                    ("attention", "mla_tree_attention", {"batch": c, "budget": b, "context": q.context},
+    C = COLUMNS
+    for fam, name, shape, count in (("moe", "moe_w4a16", {C.M: tokens}, n["moe_layer"]),
+                                    ("attention", "mla_tree_attention", {C.batch: c, C.budget: b, C.context: q.context},
                                      layers),
-                                    ("tree", "build_tree", {"batch": c, "budget": b}, 1),
-                                    ("tree", "tree_accept", {"batch": c, "budget": b}, 1)):
+                                    ("tree", "build_tree", {C.batch: c, C.budget: b}, 1),
+                                    ("tree", "tree_accept", {C.batch: c, C.budget: b}, 1)):
         sharded = name in ("moe_w4a16", "mla_tree_attention")
         got = timed(name, (tp,) if sharded else (1,), shape, cost_of(name, cfg, shape, tp if sharded else 1))
         if got is None:
@@ -185,7 +187,7 @@ def suite_ms(m: Model, cfg: ModelConfig, q: Query, on_target: bool = True) -> _A
         fam, rows = ("lm_head" if op.name in HEADS else "dense"), dense_op_rows(op, cfg, c, b)
         cost = dense_op_cost(op, rows)
         key = (op.name, 1) if op == full.get(op.name) else (op.name, tp)   # a replicated op is timed at TP-1
-        got = timed("dense_gemm", key, {"M": rows}, cost)
+        got = timed("dense_gemm", key, {C.M: rows}, cost)
         if got is None:   # not measured: the roofline at the machine's copy and matmul ceilings
             ceil = m.tgt_c if on_target else m.ref_c
             gbps, tflops = ceil.of(op.dtype)
@@ -202,19 +204,19 @@ def cal_shape(tp: int, tokens: int, context: int | None) -> dict[str, float]:
     return {"tp": tp, "tokens": tokens, "context": context or E2E_CONTEXT}
 
 
-def query_of(row: Mapping[str, Any]) -> Query:
-    return Query(tp_of(row), row["concurrency"], row["budget"], row.get("context") or E2E_CONTEXT,
-                 row.get("accept_len_mean") or 0.0, row.get("layers"))
+def query_of(row: Row) -> Query:
+    return Query(tp_of(row), row.concurrency, row.budget, row.context or E2E_CONTEXT,
+                 row.accept_len_mean or 0.0, row.layers)
 
 
-def calibration_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+def calibration_rows(rows: Sequence[Row]) -> list[Row]:
     """The measured e2e rows a calibration can use: ok, with a step."""
-    return [r for r in rows if r["source"] == "measured" and r.get("status", "ok") == "ok" and r.get("step_ms_p50")]
+    return [r for r in rows if r.source == "measured" and r.status == "ok" and r.step_ms_p50]
 
 
-def _gpu_ms(row: Mapping[str, Any]) -> float:
+def _gpu_ms(row: Row) -> float:
     """The row's GPU time a step (the whole step where it was not profiled: then host time is in it)."""
-    return row["kernel_ms"] if row.get("kernel_ms") is not None else row["step_ms_p50"]
+    return row.kernel_ms if row.kernel_ms is not None else row.step_ms_p50
 
 
 def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -225,20 +227,20 @@ def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def calibrate(m: Model, rows: Sequence[Mapping[str, Any]]) -> Calibration:
+def calibrate(m: Model, rows: Sequence[Row]) -> Calibration:
     """Per-family in-step/suite factors, gpu_other (fixed + per layer) and host time, from `rows`."""
     factors: dict[str, list[Sample]] = {f: [] for f in SUITE}
     other: dict[tuple, list[tuple[int, float]]] = {}
-    split = bool(rows) and all(r.get("moe_ms") is not None for r in rows)
+    split = bool(rows) and all(r.moe_ms is not None for r in rows)
     for r in rows:
         cfg, q = config_of(r), query_of(r)
         acc = suite_ms(m, cfg, q, on_target=False)
-        shape = cal_shape(q.tp, q.concurrency * (q.budget + 1), r.get("context"))
+        shape = cal_shape(q.tp, q.concurrency * (q.budget + 1), r.context)
         if split:
             for f in SUITE:
-                if r.get(COLUMN[f]) is not None and acc.ms[f] > 0 and r[COLUMN[f]] > 0:
-                    factors[f].append((shape, r[COLUMN[f]] / acc.ms[f]))
-            rest = r["gpu_other_ms"]
+                if getattr(r, COLUMN[f]) is not None and acc.ms[f] > 0 and getattr(r, COLUMN[f]) > 0:
+                    factors[f].append((shape, getattr(r, COLUMN[f]) / acc.ms[f]))
+            rest = r.gpu_other_ms
         else:
             rest = _gpu_ms(r) - sum(acc.ms.values())
         other.setdefault(tuple(shape.values()), []).append((q.layers or cfg.layers, rest))
@@ -251,7 +253,7 @@ def calibrate(m: Model, rows: Sequence[Mapping[str, Any]]) -> Calibration:
         shape = dict(zip(CAL_AXES, key))
         d = interpolate(fixed, shape, CAL_AXES, log_value=False).value if fixed else 0.0
         per_layer += [(shape, (v - d) / n) for n, v in pts]
-    host = [(r.get("layers") or config_of(r).layers, r["outside_ms"]) for r in rows if r.get("outside_ms") is not None]
+    host = [(r.layers or config_of(r).layers, r.outside_ms) for r in rows if r.outside_ms is not None]
     h0, h1 = _line([n for n, _ in host], [v for _, v in host]) if len({n for n, _ in host}) >= 2 else (0.0, -1.0)
     if h0 < 0 or h1 < 0:   # one depth (or a line through zero's wrong side): all of it per layer
         h0, h1 = (0.0, statistics.median(v / n for n, v in host)) if host else (0.0, 0.0)
@@ -339,16 +341,16 @@ def _bracket(levels: Sequence[float], x: float) -> set[float]:
 
 # -- building and answering -------------------------------------------------------------------------
 
-def build(tables: Tables, ref: Machine, target: Machine, rows: Sequence[Mapping[str, Any]] | None = None) -> Model:
+def build(tables: Tables, ref: Machine, target: Machine, rows: Sequence[Row] | None = None) -> Model:
     """The step model of `target` from a measured run of `ref`, calibrated on `rows` (default: the run's
     measured e2e rows; a backtest passes its calibration side)."""
     ref_c = measured_ceilings(tables["runs"], ref.spec)
-    kern = [k for k in rows_of(tables, "kernels") if k["source"] == "measured"]
+    kern = [k for k in rows_of(tables, "kernels") if k.source == "measured"]
     e2e = calibration_rows(rows_of(tables, "e2e") if rows is None else rows)
     cfg = config_of(e2e[0]) if e2e else CONFIGS["k2"]
     m = Model(cfg, fit_all(kern, ref_c), ref, target, ref_c, ref_c.carried_to(target.spec),
               tuple(rows_of(tables, "comm")), Calibration({}, (), (), 0.0, 0.0, 0, False, ()),
-              tables["runs"].column("run_id")[0].as_py())
+              tables["runs"].column(COLUMNS.run_id)[0].as_py())
     notes = []
     if m.cross_host and how(Side.of(ref.spec, 1.0, 1.0), Side.of(target.spec, 1.0, 1.0)) == SHARE:
         notes.append("kernel bandwidth carried as a share of the copy ceiling (a spec sheet lacks the SM count)")
@@ -398,11 +400,11 @@ def answer(m: Model, q: Query, cfg: ModelConfig | None = None) -> Step:
                 tuple(dict.fromkeys(inter)), tuple(carries), tuple(dict.fromkeys([*m.notes, *acc.notes])))
 
 
-def step_spread(rows: Sequence[dict[str, Any]]) -> float:
+def step_spread(rows: Sequence[Row]) -> float:
     """The measurement spread of a step: half the range of the steps one configuration measured at its
     acceptance levels, relative to their mean, the median over configurations."""
     groups: dict[tuple, list[float]] = {}
     for r in rows:
-        groups.setdefault(e2e_key(r, without=("synthetic_accept",)), []).append(r["step_ms_p50"])
+        groups.setdefault(e2e_key(r, without=("synthetic_accept",)), []).append(r.step_ms_p50)
     spreads = [(max(v) - min(v)) / 2 / statistics.mean(v) for v in groups.values() if len(v) > 1]
     return statistics.median(spreads) if spreads else 0.0

@@ -17,7 +17,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from engine.schema import to_table
+from engine.rows import COLUMNS, E2ERow, RunRow
+from engine.schema import CommSource, PointStatus, RunStatus, to_table
 from flows.analysis.bands import Band, step_band
 from flows.analysis.ceilings import Machine, ProjectionError, Tables, rows_of
 from flows.analysis.families import tp_of
@@ -53,10 +54,10 @@ class Answer:
 def accept_levels(tables: Tables) -> list[tuple[float | None, float]]:
     """(synthetic level, mean accepted draft tokens a step) of the reference's full-depth e2e rows."""
     rows = [r for r in calibration_rows(rows_of(tables, "e2e"))
-            if r.get("accept_len_mean") is not None and (r.get("layers") or 0) >= config_of(r).layers]
+            if r.accept_len_mean is not None and (r.layers or 0) >= config_of(r).layers]
     by: dict[float | None, list[float]] = {}
     for r in rows:
-        by.setdefault(r.get("synthetic_accept"), []).append(r["accept_len_mean"])
+        by.setdefault(r.synthetic_accept, []).append(r.accept_len_mean)
     return [(lv, statistics.mean(v)) for lv, v in sorted(by.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
 
 
@@ -84,14 +85,16 @@ def grid_queries(data: Dataset, tp: int) -> list[tuple[Query, float | None]]:
 
 
 def answer_row(a: Answer) -> dict[str, Any]:
-    """One answer as a flat record: the query, tokens/s and its band, the step and each term's share."""
+    """One answer as a flat record: the query, tokens/s and its band, the step and each term's share (the
+    fields an e2e row also has are named as its columns)."""
     s, q = a.step, a.step.query
     lo, hi = a.tokens_band
-    return {"tp": q.tp, "concurrency": q.concurrency, "context": q.context, "budget": q.budget, "accept": q.accept,
-            "fits": s.memory.fits, "memory_gb": s.memory.need / 1e9, "tokens_per_s": s.tokens_per_s,
-            "tokens_per_s_low": lo, "tokens_per_s_high": hi,
+    return {COLUMNS.tp: q.tp, COLUMNS.concurrency: q.concurrency, COLUMNS.context: q.context,
+            COLUMNS.budget: q.budget, "accept": q.accept, "fits": s.memory.fits, "memory_gb": s.memory.need / 1e9,
+            COLUMNS.tokens_per_s: s.tokens_per_s,
+            COLUMNS.tokens_per_s_low: lo, COLUMNS.tokens_per_s_high: hi,
             "band": "unknown: " + ", ".join(a.band.unknown) if not a.band.known else "",
-            "step_ms": s.step_ms, "comm_ms": s.ms["comm"],
+            "step_ms": s.step_ms, COLUMNS.comm_ms: s.ms["comm"],
             **{f"{t}_share": s.share(t) for t in TERMS}, "largest": a.largest_text(),
             "interpolated": "; ".join(s.interpolated), "extrapolated": "; ".join(s.extrapolated),
             "carries": ", ".join(s.carries), "why_not": s.memory.why_not()}
@@ -111,27 +114,28 @@ def as_tables(host: str, model: Model, items: Sequence[Answer], run_id: str, wha
         s, q = a.step, a.step.query
         lo, hi = a.tokens_band
         ok = s.memory.fits
-        rows.append({"run_id": run_id, "config": cfg.name, "layers": q.layers or cfg.layers, "tp": q.tp,
-                     "device": "cpu" if spec.arch == "cpu" else "cuda", "concurrency": q.concurrency,
-                     "budget": q.budget, "context": q.context, "synthetic_accept": a.level,
-                     "status": "ok" if ok else "skipped", "skip_reason": s.memory.why_not() or None,
-                     "memory_bytes": s.memory.need, "accept_len_mean": q.accept,
-                     "comm_source": "modelled" if q.tp > 1 else "none",
-                     "tokens_per_s": s.tokens_per_s if ok else None, "step_ms_p50": s.step_ms if ok else None,
-                     "tokens_per_s_low": lo if ok else None, "tokens_per_s_high": hi if ok else None,
-                     **({COLUMN[f]: s.ms[f] for f in FAMILIES} if ok else {}), "comm_ms": s.ms["comm"] if ok else None,
-                     "kernel_ms": s.step_ms - s.ms["host"] if ok else None, "outside_ms": s.ms["host"] if ok else None,
-                     "source": "projected", "reference_run_id": model.ref_run_id})
+        rows.append(E2ERow(run_id=run_id, config=cfg.name, layers=q.layers or cfg.layers, tp=q.tp,
+                           device="cpu" if spec.arch == "cpu" else "cuda", concurrency=q.concurrency,
+                           budget=q.budget, context=q.context, synthetic_accept=a.level,
+                           status=PointStatus.OK if ok else PointStatus.SKIPPED, skip_reason=s.memory.why_not() or None,
+                           memory_bytes=s.memory.need, accept_len_mean=q.accept,
+                           comm_source=CommSource.MODELLED if q.tp > 1 else CommSource.NONE,
+                           tokens_per_s=s.tokens_per_s if ok else None, step_ms_p50=s.step_ms if ok else None,
+                           tokens_per_s_low=lo if ok else None, tokens_per_s_high=hi if ok else None,
+                           **({COLUMN[f]: s.ms[f] for f in FAMILIES} if ok else {}),
+                           comm_ms=s.ms["comm"] if ok else None,
+                           kernel_ms=s.step_ms - s.ms["host"] if ok else None, outside_ms=s.ms["host"] if ok else None,
+                           source="projected", reference_run_id=model.ref_run_id))
         notes.append({"largest": a.largest_text(), "largest_term": s.largest, "share": s.share(s.largest),
                       "interpolated": list(s.interpolated), "extrapolated": list(s.extrapolated),
                       "carries": list(s.carries), "band_unknown": list(a.band.unknown), "notes": list(s.notes)})
     prov = {"run_id": run_id, "host": host, "gpu_name": spec.gpu, "gpu_count": model.target.gpus, "arch": spec.arch,
             "device": "cpu" if spec.arch == "cpu" else "cuda", "reference_run_id": model.ref_run_id,
             "reference_host": model.ref.name, "what": what, "answers": notes}
-    runs = [{"run_id": run_id, "host": host, "suite": SUITE, "profile": what, "status": "complete",
-             "gpu_name": spec.gpu, "gpu_count": model.target.gpus, "arch": spec.arch, "device": prov["device"],
-             "copy_gbps": model.tgt_c.gbps, "matmul_tflops": model.tgt_c.tflops(), "points": len(rows),
-             "source": "projected", "note": f"step model answers from {model.ref.name} run {model.ref_run_id}"}]
+    runs = [RunRow(run_id=run_id, host=host, suite=SUITE, profile=what, status=RunStatus.COMPLETE, gpu_name=spec.gpu,
+                   gpu_count=model.target.gpus, arch=spec.arch, device=prov["device"], copy_gbps=model.tgt_c.gbps,
+                   matmul_tflops=model.tgt_c.tflops(), points=len(rows), source="projected",
+                   note=f"step model answers from {model.ref.name} run {model.ref_run_id}")]
     return {"runs": to_table("runs", runs, prov), "e2e": to_table("e2e", rows, prov)}
 
 
@@ -169,6 +173,6 @@ def stored_whatif(store: Store, host: str, what: str = "grid") -> Tables | None:
     for info in reversed(store.runs(host)):
         if info.source == "projected" and SUITE in info.suites:
             tables = store.load(host, info.run_id)
-            if tables["runs"].column("profile")[0].as_py() == what:
+            if tables["runs"].column(COLUMNS.profile)[0].as_py() == what:
                 return tables
     return None

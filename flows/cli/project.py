@@ -40,12 +40,15 @@ def parse_list(flag: str, values: list[str] | None, kind: type) -> list:
 
 
 def _cells(r: dict) -> list[str]:
-    band = (f"{r['tokens_per_s_low']:,.0f}-{r['tokens_per_s_high']:,.0f}" if r["tokens_per_s_low"] is not None
-            else r["band"])
+    """A table row of one answer record (flows.analysis.whatif.answer_row: the fields an e2e row also has
+    are named as its columns)."""
+    from engine.rows import COLUMNS as C   # pyarrow: loaded by the command, never by its --help
+    low, high = r[C.tokens_per_s_low], r[C.tokens_per_s_high]
+    band = f"{low:,.0f}-{high:,.0f}" if low is not None else r["band"]
     shares = " ".join(f"{t} {100 * r[f'{t}_share']:.0f}%" for t in SHARE_COLUMNS if r[f"{t}_share"] >= 0.005)
     fits = "yes" if r["fits"] else r["why_not"]
-    return [str(r["tp"]), str(r["concurrency"]), f"{r['context']:,}", str(r["budget"]), f"{r['accept']:.2f}",
-            f"{r['tokens_per_s']:,.0f}", band, f"{r['step_ms']:.2f}", f"{r['comm_ms']:.2f}", shares, r["largest"],
+    return [str(r[C.tp]), str(r[C.concurrency]), f"{r[C.context]:,}", str(r[C.budget]), f"{r['accept']:.2f}",
+            f"{r[C.tokens_per_s]:,.0f}", band, f"{r['step_ms']:.2f}", f"{r[C.comm_ms]:.2f}", shares, r["largest"],
             fits, r["interpolated"] or "-", r["extrapolated"] or "-"]
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from engine.rows import COLUMNS
 from engine.schema import SchemaError, provenance
 from flows.analysis.assumptions import map_strings, parse
 from flows.analysis.backtest import stored_backtest
+from flows.analysis.ceilings import rows_of
 from flows.analysis.reference import is_outside
 from flows.analysis.whatif import SUITE as WHATIF, stored_whatif
 from flows.inventory.hosts import Inventory, is_page_name
@@ -30,9 +32,9 @@ def measured_runs(store: Store, name: str) -> list[Run]:
         if info.source == "measured":
             runs[info.run_id] = ((1, i), Run(info.run_id, store.load(name, info.run_id)))
     for tables in readable_references(store).values():
-        row = tables["runs"].to_pylist()[0]
-        if row["host"] == name and row["source"] == "measured" and not is_outside(tables):
-            runs.setdefault(row["run_id"], ((0, row["started_at"] or ""), Run(row["run_id"], tables)))
+        row = rows_of(tables, "runs")[0]
+        if row.host == name and row.source == "measured" and not is_outside(tables):
+            runs.setdefault(row.run_id, ((0, row.started_at or ""), Run(row.run_id, tables)))
     return [r for _, r in sorted(runs.values(), key=lambda x: (x[0], x[1].run_id))]
 
 
@@ -40,7 +42,7 @@ def outside_runs(store: Store, name: str) -> list[Run]:
     """Imported outside figures (published or otherwise) of a host, never counted as its measurements."""
     out = []
     for ref, tables in readable_references(store).items():
-        if is_outside(tables) and tables["runs"].column("host")[0].as_py() == name:
+        if is_outside(tables) and tables["runs"].column(COLUMNS.host)[0].as_py() == name:
             out.append(Run(ref, tables))
     return out
 
@@ -80,7 +82,7 @@ def gather(store: Store, inv: Inventory) -> list[HostView]:
     """
     names = set(inv.hosts) | {r.host for r in store.runs()}
     for tables in readable_references(store).values():
-        names.add(tables["runs"].column("host")[0].as_py())
+        names.add(tables["runs"].column(COLUMNS.host)[0].as_py())
     names = {n for n in names if _page_name(n)}  # a name becomes a file name under docs/notes/
     backtest = stored_backtest(store)
     views = []
@@ -91,7 +93,7 @@ def gather(store: Store, inv: Inventory) -> list[HostView]:
         try:
             view = HostView(name, host, spec, measured_runs(store, name), outside=outside_runs(store, name),
                             backtest=backtest,
-                            whatif=Run(grid["runs"].column("run_id")[0].as_py(), grid) if grid else None)
+                            whatif=Run(grid["runs"].column(COLUMNS.run_id)[0].as_py(), grid) if grid else None)
             if not view.measured:
                 view.projection = stored_projection(store, inv, name)
                 if view.projection is None:

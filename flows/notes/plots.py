@@ -21,15 +21,18 @@ import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from engine.rows import COLUMNS
+
 RC = {k: v for k, v in matplotlib.rcParamsDefault.items() if k not in ("backend", "backend_fallback")}
 RC.update({"font.family": "DejaVu Sans", "font.size": 9, "figure.dpi": 100, "savefig.dpi": 100,
            "axes.grid": True, "grid.alpha": 0.3, "path.simplify": False, "svg.hashsalt": "kdbench"})
 SIZE = (6.4, 3.8)
-TERM_COLORS = {"draft_ms": "#4C72B0", "tree_build_ms": "#55A868", "verify_ms": "#C44E52",
-               "accept_ms": "#8172B2", "other_ms": "#937860", "comm_ms": "#DA8BC3",
+TERM_COLORS = {COLUMNS.draft_ms: "#4C72B0", COLUMNS.tree_build_ms: "#55A868", COLUMNS.verify_ms: "#C44E52",
+               COLUMNS.accept_ms: "#8172B2", COLUMNS.other_ms: "#937860", COLUMNS.comm_ms: "#DA8BC3",
                # the per-family split of a step (flows.analysis.stepmodel's terms)
-               "moe_ms": "#C44E52", "attention_ms": "#4C72B0", "dense_ms": "#CCB974", "lm_head_ms": "#64B5CD",
-               "tree_ms": "#55A868", "gpu_other_ms": "#937860", "outside_ms": "#8C8C8C"}
+               COLUMNS.moe_ms: "#C44E52", COLUMNS.attention_ms: "#4C72B0", COLUMNS.dense_ms: "#CCB974",
+               COLUMNS.lm_head_ms: "#64B5CD", COLUMNS.tree_ms: "#55A868", COLUMNS.gpu_other_ms: "#937860",
+               COLUMNS.outside_ms: "#8C8C8C"}
 
 
 def _literal(text: str) -> str:

@@ -28,12 +28,12 @@ def model_headline(run: Run, projected: bool) -> str:
         return f"full model: {why}" if why else ""
     parts = []
     for c, e in sorted(rows.items()):
-        band = f" ({band_text(e['tokens_per_s_low'], e['tokens_per_s_high'], 0).replace('unknown', 'band unknown')})" \
+        band = f" ({band_text(e.tokens_per_s_low, e.tokens_per_s_high, 0).replace('unknown', 'band unknown')})" \
             if projected else ""
-        parts.append(f"{fmt(e['tokens_per_s'], 0)} tok/s{band} at C={c} (B={e['budget']}, accept "
-                     f"{fmt(e['accept_len_mean'], 2)})")
+        parts.append(f"{fmt(e.tokens_per_s, 0)} tok/s{band} at C={c} (B={e.budget}, accept "
+                     f"{fmt(e.accept_len_mean, 2)})")
     e = next(iter(rows.values()))
-    return f"full model {e['layers']} layers TP-{tp_of(e)}: " + ", ".join(parts)
+    return f"full model {e.layers} layers TP-{tp_of(e)}: " + ", ".join(parts)
 
 
 def outside_headline(view: HostView) -> str:
@@ -41,9 +41,9 @@ def outside_headline(view: HostView) -> str:
     parts = []
     for run in view.outside:
         prov = provenance(run.tables["runs"])
-        for e in sorted(run.rows("e2e"), key=lambda e: e["concurrency"]):
-            if e["tokens_per_s"]:
-                parts.append(f"{fmt(e['tokens_per_s'])} tok/s at C={e['concurrency']}")
+        for e in sorted(run.rows("e2e"), key=lambda e: e.concurrency):
+            if e.tokens_per_s:
+                parts.append(f"{fmt(e.tokens_per_s)} tok/s at C={e.concurrency}")
         if parts:
             return f"{md(prov.get('origin'))} ({md(prov.get('impl', '-'))}, TP-{tp_of(run.rows('e2e')[0])}): " + \
                 ", ".join(parts)
@@ -61,15 +61,15 @@ def headline(view: HostView) -> str:
         gb = gbps(moe)
         copy, _ = ceilings_of(kern.run, view.spec)
         if view.kind == "measured":
-            parts.append(f"MoE W4A16 decode {bandwidth(gb)} at M={moe['M']} = {share(per(gb, copy))} of copy "
+            parts.append(f"MoE W4A16 decode {bandwidth(gb)} at M={moe.M} = {share(per(gb, copy))} of copy "
                          "bandwidth")
         else:
-            if moe["time_us_low"] is None:
-                parts.append(f"MoE W4A16 decode {bandwidth(gb)} (band unknown) at M={moe['M']}")
+            if moe.time_us_low is None:
+                parts.append(f"MoE W4A16 decode {bandwidth(gb)} (band unknown) at M={moe.M}")
             else:
-                band = [per(moe["bytes"], t * 1e3) for t in (moe["time_us_high"], moe["time_us_low"])]
+                band = [per(moe.bytes, t * 1e3) for t in (moe.time_us_high, moe.time_us_low)]
                 parts.append(f"MoE W4A16 decode {bandwidth(gb, *band) if all(map(math.isfinite, band)) else bandwidth(gb)}"
-                             f" at M={moe['M']}")
+                             f" at M={moe.M}")
     outside = outside_headline(view)
     if outside:
         parts.append(outside)

@@ -12,8 +12,10 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
+from engine.rows import Row
 from flows.analysis.assumptions import Assumption
 from flows.analysis.backtest import BacktestRow
+from flows.analysis.ceilings import rows_of
 from flows.inventory.hosts import Host, Spec
 
 SUITES = ("kernels", "e2e", "comm")
@@ -23,22 +25,26 @@ SUITES = ("kernels", "e2e", "comm")
 class Run:
     run_id: str
     tables: dict[str, pa.Table]
+    _rows: dict[str, list[Any]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def rows(self, table: str) -> list[dict[str, Any]]:
-        return self.tables[table].to_pylist() if table in self.tables else []
+    def rows(self, table: str) -> list[Any]:
+        """The table's typed rows (engine.rows), made once a run: every section reads them."""
+        if table not in self._rows:
+            self._rows[table] = rows_of(self.tables, table)
+        return self._rows[table]
 
-    def suite_row(self, suite: str) -> dict[str, Any] | None:
+    def suite_row(self, suite: str) -> Row | None:
         """The runs-table row of one suite of this run (None when the run did not include it)."""
-        return next((r for r in self.rows("runs") if r["suite"] == suite), None)
+        return next((r for r in self.rows("runs") if r.suite == suite), None)
 
     @property
     def partial(self) -> bool:
-        return any(r["status"] == "partial" for r in self.rows("runs"))
+        return any(r.status == "partial" for r in self.rows("runs"))
 
     @property
-    def runs_row(self) -> dict[str, Any]:
+    def runs_row(self) -> Row:
         rows = self.rows("runs")
-        kern = [r for r in rows if r["suite"] == "kernels"]
+        kern = [r for r in rows if r.suite == "kernels"]
         return (kern or rows)[0]
 
 
@@ -98,7 +104,7 @@ class HostView:
         if self.projection and not self.measured:
             run = self.projection.run
             row = run.suite_row(suite)
-            return Source(suite, run, row["profile"], row["status"]) if row and run.rows(suite) else None
+            return Source(suite, run, row.profile, row.status) if row and run.rows(suite) else None
         return pick_source(self.measured, suite)
 
     @property
@@ -106,19 +112,19 @@ class HostView:
         return {s: src for s in SUITES if (src := self.source(s)) is not None}
 
 
-def _tier(row: dict[str, Any]) -> int:
+def _tier(row: Row) -> int:
     """How well a suite's runs row stands for the host (lower is better): full and complete, full
     and skipped, any other complete or skipped profile (smoke), partial."""
-    done = row["status"] in ("complete", "skipped")
-    if row["profile"] == "full" and done:
-        return 0 if row["status"] == "complete" else 1
+    done = row.status in ("complete", "skipped")
+    if row.profile == "full" and done:
+        return 0 if row.status == "complete" else 1
     return 2 if done else 3
 
 
 def pick_source(runs: Sequence[Run], suite: str) -> Source | None:
     """The latest run (of `runs`, oldest first) holding the suite's best data: complete full-profile
     data whenever there is any, so a later smoke or partial run never displaces it."""
-    best: tuple[int, Run, dict[str, Any]] | None = None
+    best: tuple[int, Run, Row] | None = None
     for run in runs:
         row = run.suite_row(suite)
         if row is None or not run.rows(suite):
@@ -130,4 +136,4 @@ def pick_source(runs: Sequence[Run], suite: str) -> Source | None:
         return None
     tier, run, row = best
     fallback = {2: f"no complete full-profile {suite} run yet", 3: f"no complete {suite} run yet"}.get(tier, "")
-    return Source(suite, run, row["profile"], row["status"], fallback)
+    return Source(suite, run, row.profile, row.status, fallback)

@@ -32,6 +32,8 @@ from prefect.context import FlowRunContext
 from prefect.deployments.flow_runs import arun_deployment
 from pydantic import BaseModel
 
+from engine.rows import table_rows
+from engine.schema import PointStatus
 from flows.analysis.projection import ProjectionError
 from flows.inventory.files import load_host, load_inventory, now, retire, update_host
 from flows.inventory.hosts import Host
@@ -130,19 +132,19 @@ def _headline(store: Store, host: str, run_id: str) -> list[str]:
     tables = store.load(host, run_id)
     out = []
     if "kernels" in tables and tables["kernels"].num_rows:
-        rows = tables["kernels"].to_pylist()
-        best = max(rows, key=lambda r: r["achieved_gbps"] or 0.0)
-        out.append(f"kernels: {len(rows)} points over {len({r['kernel'] for r in rows})} kernels; "
-                   f"best {best['achieved_gbps'] or 0:.1f} GB/s ({plain(best['kernel'])}, M={best['M']})")
+        rows = table_rows(tables["kernels"], "kernels")
+        best = max(rows, key=lambda r: r.achieved_gbps or 0.0)
+        out.append(f"kernels: {len(rows)} points over {len({r.kernel for r in rows})} kernels; "
+                   f"best {best.achieved_gbps or 0:.1f} GB/s ({plain(best.kernel)}, M={best.M})")
     if "e2e" in tables and tables["e2e"].num_rows:
-        rows = tables["e2e"].to_pylist()
-        best = max(rows, key=lambda r: r["tokens_per_s"] or 0.0)
-        out.append(f"e2e: {len(rows)} points; best {best['tokens_per_s'] or 0:.1f} tokens/s "
-                   f"(budget {best['budget']}, concurrency {best['concurrency']}, accept {best['accept_len_mean'] or 0:.2f})")
+        rows = table_rows(tables["e2e"], "e2e")
+        best = max(rows, key=lambda r: r.tokens_per_s or 0.0)
+        out.append(f"e2e: {len(rows)} points; best {best.tokens_per_s or 0:.1f} tokens/s "
+                   f"(budget {best.budget}, concurrency {best.concurrency}, accept {best.accept_len_mean or 0:.2f})")
     if "comm" in tables and tables["comm"].num_rows:
-        rows = [r for r in tables["comm"].to_pylist() if r["status"] == "ok"]
+        rows = [r for r in table_rows(tables["comm"], "comm") if r.status == PointStatus.OK]
         if rows:
-            out.append(f"comm: best bus bandwidth {max(r['busbw_gbps'] or 0 for r in rows):.1f} GB/s")
+            out.append(f"comm: best bus bandwidth {max(r.busbw_gbps or 0 for r in rows):.1f} GB/s")
     return out
 
 

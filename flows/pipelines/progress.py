@@ -1,7 +1,8 @@
 """The host's output as the run's logs show it: `KDBENCH {json}` progress lines as one short,
 readable line each, and a bound on how many lines of one command reach the logs at all.
 
-engine.bench prints one event per point (the whole result row) and one when a suite ends; the
+engine.bench prints one event per point (the result row's set columns, read here by engine.rows'
+COLUMNS names) and one when a suite ends (its status and points, named as the runs row's); the
 flow's log shows `kernels 3/40 moe_w4a16 triton M=8 N=4096 K=7168: 152.3 us, 812.1 GB/s` instead
 (the raw rows stay in the result files). Everything in an event comes from the host: only numbers
 are formatted, strings go through flows.inventory.scrub.plain (one line, redacted, cut short).
@@ -17,6 +18,7 @@ import math
 from collections import deque
 from typing import Any, Callable
 
+from engine.rows import COLUMNS as C
 from engine.schema import loads_untrusted
 from flows.inventory.scrub import plain
 
@@ -24,7 +26,7 @@ EVENT = "KDBENCH "
 _MAX_TEXT = 40
 HEAD_LINES = 1000   # of one command's output lines, logged as they come (a full sweep prints under 100 points)
 TAIL_LINES = 200    # and its last lines, logged when it ends
-_KERNEL_SHAPE = ("tp", "M", "N", "K", "E", "top_k", "batch", "budget", "context")
+_KERNEL_SHAPE = (C.tp, C.M, C.N, C.K, C.E, C.top_k, C.batch, C.budget, C.context)
 
 
 def _text(v: Any) -> str:
@@ -70,19 +72,20 @@ def _label(suite: str, ev: dict[str, Any]) -> tuple[str, list[str | None]]:
     """The point's label and its figures (time first, then the headline), by suite."""
     if suite == "kernels":
         shape = [f"{k}={_int(ev[k])}" for k in _KERNEL_SHAPE if _int(ev.get(k)) is not None]
-        label = " ".join([_text(ev.get("kernel", "?")), _text(ev.get("impl", "?")), *shape])
-        head = _fig(ev.get("achieved_gbps"), "GB/s") or _fig(ev.get("achieved_tflops"), "TF/s", 2)
-        return label, [_time_us(ev.get("time_us_p50")), head]
+        label = " ".join([_text(ev.get(C.kernel, "?")), _text(ev.get(C.impl, "?")), *shape])
+        head = _fig(ev.get(C.achieved_gbps), "GB/s") or _fig(ev.get(C.achieved_tflops), "TF/s", 2)
+        return label, [_time_us(ev.get(C.time_us_p50)), head]
     if suite == "e2e":
-        label = " ".join([_text(ev.get("config", "?")), f"C={_int(ev.get('concurrency')) or '?'}",
-                          f"B={_int(ev.get('budget')) or '?'}"])
-        accept = _fig(ev.get("accept_len_mean"), "accepted/step", 2)
-        return label, [_fig(ev.get("step_ms_p50"), "ms/step", 2), _fig(ev.get("tokens_per_s"), "tokens/s"), accept]
+        label = " ".join([_text(ev.get(C.config, "?")), f"C={_int(ev.get(C.concurrency)) or '?'}",
+                          f"B={_int(ev.get(C.budget)) or '?'}"])
+        accept = _fig(ev.get(C.accept_len_mean), "accepted/step", 2)
+        return label, [_fig(ev.get(C.step_ms_p50), "ms/step", 2), _fig(ev.get(C.tokens_per_s), "tokens/s"), accept]
     if suite == "comm":
-        label = " ".join([_text(ev.get("op", "?")), f"n={_int(ev.get('world_size')) or '?'}", _bytes(ev.get("bytes"))])
-        if ev.get("status") == "skipped":
-            return label, [f"skipped ({_text(ev.get('skip_reason', ''))})"]
-        return label, [_time_us(ev.get("time_us_p50")), _fig(ev.get("busbw_gbps"), "GB/s bus")]
+        label = " ".join([_text(ev.get(C.op, "?")), f"n={_int(ev.get(C.world_size)) or '?'}",
+                          _bytes(ev.get(C.bytes))])
+        if ev.get(C.status) == "skipped":
+            return label, [f"skipped ({_text(ev.get(C.skip_reason, ''))})"]
+        return label, [_time_us(ev.get(C.time_us_p50)), _fig(ev.get(C.busbw_gbps), "GB/s bus")]
     return "", []
 
 
@@ -98,7 +101,7 @@ def log_line(suite: str, line: str) -> tuple[str, dict[str, Any] | None]:
     if not isinstance(ev, dict):
         return f"{suite}: unreadable progress line ({len(line)} characters)", None
     if ev.get("event") == "done":
-        return f"{suite} done: {_text(ev.get('status', '?'))}, {_int(ev.get('points')) or 0} points", ev
+        return f"{suite} done: {_text(ev.get(C.status, '?'))}, {_int(ev.get(C.points)) or 0} points", ev
     if ev.get("event") != "point":
         return f"{suite}: progress event {_text(ev.get('event', '?'))}", ev
     label, figures = _label(suite, ev)

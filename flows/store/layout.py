@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ValidationError
 
+from engine.rows import COLUMNS, table_rows
 from engine.schema import MAX_ROWS, TABLES
 from flows import REPO
 
@@ -89,16 +90,16 @@ def check_name(kind: str, value: str) -> str:
 def run_info(host: str, run_id: str, tables: dict[str, pa.Table]) -> RunInfo:
     """Summarise a run from its tables (checked by check_run_tables, the runs table included):
     complete only when every suite finished or was skipped."""
-    rows = tables["runs"].to_pylist()
-    sources = {r["source"] for r in rows}
-    done = all(r["status"] in ("complete", "skipped") for r in rows)
-    started = sorted(r["started_at"] for r in rows if r["started_at"])
-    refs = {r for t in tables.values() if "reference_run_id" in t.schema.names
-            for r in t.column("reference_run_id").to_pylist() if r}
+    rows = table_rows(tables["runs"], "runs")
+    sources = {r.source for r in rows}
+    done = all(r.status in ("complete", "skipped") for r in rows)
+    started = sorted(r.started_at for r in rows if r.started_at)
+    ref = COLUMNS.reference_run_id
+    refs = {r for t in tables.values() if ref in t.schema.names for r in t.column(ref).to_pylist() if r}
     return RunInfo(host=host, run_id=run_id, source=sources.pop(),
                    status=RunStatus.COMPLETE if done else RunStatus.PARTIAL,
                    started_at=started[0] if started else None,
-                   suites=sorted({r["suite"] for r in rows}),
+                   suites=sorted({r.suite for r in rows}),
                    reference_run_id=min(refs) if refs else None)
 
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from engine.schema import (MANIFEST, MAX_FILE_BYTES, MAX_TEXT, TABLES, SchemaError, check_run_tables, provenance,
-                           read_table, sha256_file, to_table, write_manifest, write_table)
+from engine.rows import RunRow, table_rows
+from engine.schema import (MANIFEST, MAX_FILE_BYTES, MAX_TEXT, TABLES, RunStatus, SchemaError, check_run_tables,
+                           provenance, read_table, sha256_file, to_table, write_manifest, write_table)
 from flows.store.layout import check_name
 from flows.store.store import Store
 from flows.transport.remote import Remote, TransferError
@@ -121,7 +123,7 @@ def record_unfinished(pulled: Pulled, run_id: str, host: str, profile: str, unfi
     extra = {suite: (0, f"{why} before the suite wrote any result") for suite, why in unfinished.items()}
     if path.is_file():
         table = read_table(path)
-        rows, prov = table.to_pylist(), provenance(table)
+        rows, prov = table_rows(table, "runs"), provenance(table)
     else:
         rows, prov = [], {"run_id": run_id, "host": host, "payload_hash": payload_hash}
         if "runs.arrow" in pulled.quarantined:
@@ -129,15 +131,15 @@ def record_unfinished(pulled: Pulled, run_id: str, host: str, profile: str, unfi
                 points = read_table(pulled.accepted_dir / name).num_rows
                 extra.setdefault(name.removesuffix(".arrow"), (points, "the host's runs.arrow was quarantined"))
     changed = False
-    for row in rows:
-        why = unfinished.get(row["suite"])
-        if why and row["status"] != "partial":
-            row["status"], changed = "partial", True
+    for i, row in enumerate(rows):
+        why = unfinished.get(row.suite)
+        if why and row.status != RunStatus.PARTIAL:
             ours = f"{why} seen by the controller"
-            row["note"] = "; ".join(filter(None, [(row["note"] or "")[:MAX_TEXT - len(ours) - 2], ours]))
-    have = {r["suite"] for r in rows}
-    added = [{"run_id": run_id, "host": host, "suite": suite, "profile": profile, "status": "partial",
-              "payload_hash": payload_hash, "points": points, "source": "measured", "note": note}
+            note = "; ".join(filter(None, [(row.note or "")[:MAX_TEXT - len(ours) - 2], ours]))
+            rows[i], changed = replace(row, status=RunStatus.PARTIAL, note=note), True
+    have = {r.suite for r in rows}
+    added = [RunRow(run_id=run_id, host=host, suite=suite, profile=profile, status=RunStatus.PARTIAL,
+                    payload_hash=payload_hash, points=points, source="measured", note=note)
              for suite, (points, note) in extra.items() if suite not in have]
     if added or changed:
         write_table(pulled.accepted_dir, to_table("runs", rows + added, prov))

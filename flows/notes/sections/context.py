@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from engine.rows import Row
 from flows.analysis.families import tp_of
 from flows.inventory.scrub import md
 from flows.notes.fmt import band_text, fmt
@@ -14,48 +13,48 @@ from flows.notes.points import at_full_depth, no_full_depth
 from flows.notes.views import HostView, Run
 
 
-def context_series(run: Run) -> dict[tuple, list[dict[str, Any]]]:
+def context_series(run: Run) -> dict[tuple, list[Row]]:
     """Full-depth rows by (tp, concurrency, level, budget), shortest prompt first, where a series
     has two or more prompt lengths: tokens/s against context."""
-    groups: dict[tuple, list[dict[str, Any]]] = {}
+    groups: dict[tuple, list[Row]] = {}
     for e in at_full_depth(run):
-        if e["context"] is not None:
-            key = (tp_of(e), e["concurrency"], e["synthetic_accept"] or 0.0, e["budget"])
+        if e.context is not None:
+            key = (tp_of(e), e.concurrency, e.synthetic_accept or 0.0, e.budget)
             groups.setdefault(key, []).append(e)
-    return {k: sorted(v, key=lambda e: e["context"]) for k, v in sorted(groups.items())
-            if len({e["context"] for e in v}) > 1}
+    return {k: sorted(v, key=lambda e: e.context) for k, v in sorted(groups.items())
+            if len({e.context for e in v}) > 1}
 
 
-def crossover(name: str, series: list[dict[str, Any]]) -> str:
+def crossover(name: str, series: list[Row]) -> str:
     """Where attention's GPU time a step passes the MoE's along one series, from the rows' own
     per-family split; said to be unknown where the rows have none."""
-    split = [e for e in series if e["attention_ms"] is not None and e["moe_ms"] is not None]
+    split = [e for e in series if e.attention_ms is not None and e.moe_ms is not None]
     if not split:
         return (f"{name}: these rows have no per-family split of the step (the profiled CUDA decode records "
                 "attention and MoE time), so where attention overtakes the MoE is not known.")
     lack = "" if len(split) == len(series) else f" (of the {len(split)} prompt lengths with a per-family split)"
 
-    def at(e: dict[str, Any]) -> str:
-        return f"{fmt(e['attention_ms'], 2)} vs {fmt(e['moe_ms'], 2)} ms a step at {e['context']:,} tokens"
+    def at(e: Row) -> str:
+        return f"{fmt(e.attention_ms, 2)} vs {fmt(e.moe_ms, 2)} ms a step at {e.context:,} tokens"
 
-    over = next((i for i, e in enumerate(split) if e["attention_ms"] > e["moe_ms"]), None)
+    over = next((i for i, e in enumerate(split) if e.attention_ms > e.moe_ms), None)
     if over is None:
-        return f"{name}: attention stays below the MoE up to {split[-1]['context']:,} tokens{lack} ({at(split[-1])})."
+        return f"{name}: attention stays below the MoE up to {split[-1].context:,} tokens{lack} ({at(split[-1])})."
     if over == 0:
         return f"{name}: attention already takes longer than the MoE at the shortest prompt{lack} ({at(split[0])})."
-    return (f"{name}: attention overtakes the MoE between {split[over - 1]['context']:,} and "
-            f"{split[over]['context']:,} tokens{lack} ({at(split[over - 1])}; {at(split[over])}).")
+    return (f"{name}: attention overtakes the MoE between {split[over - 1].context:,} and "
+            f"{split[over].context:,} tokens{lack} ({at(split[over - 1])}; {at(split[over])}).")
 
 
-def skipped_points(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+def skipped_points(rows: list[Row]) -> tuple[str, ...]:
     """Each skipped e2e point in words: its key, the bytes it needed and the run's reason."""
     out = []
-    for e in sorted((e for e in rows if e["status"] != "ok"), key=lambda e: (tp_of(e), e["concurrency"],
-                                                                             e["context"] or 0, e["budget"])):
-        gb = f", {e['memory_bytes'] / 1e9:,.1f} GB needed" if e["memory_bytes"] else ""
-        ctx = "-" if e["context"] is None else f"{e['context']:,}"
-        out.append(f"TP-{tp_of(e)} C={e['concurrency']} B={e['budget']} context {ctx}{gb}: "
-                   f"{md(e['status'])}: {md(e['skip_reason'] or '-', cap=400)}")
+    for e in sorted((e for e in rows if e.status != "ok"), key=lambda e: (tp_of(e), e.concurrency,
+                                                                             e.context or 0, e.budget)):
+        gb = f", {e.memory_bytes / 1e9:,.1f} GB needed" if e.memory_bytes else ""
+        ctx = "-" if e.context is None else f"{e.context:,}"
+        out.append(f"TP-{tp_of(e)} C={e.concurrency} B={e.budget} context {ctx}{gb}: "
+                   f"{md(e.status)}: {md(e.skip_reason or '-', cap=400)}")
     return tuple(out)
 
 
@@ -75,12 +74,12 @@ def context_view(view: HostView, run: Run, rel: str) -> tuple[ContextView, tuple
     table, words = [], []
     for (tp, conc, level, budget), rows in series.items():
         for e in rows:
-            att, moe = e["attention_ms"], e["moe_ms"]
-            r = [str(tp), str(conc), f"{level:g}", str(budget), f"{e['context']:,}", fmt(e["tokens_per_s"], 0),
-                 fmt(e["ttft_ms"], 0), fmt(e["step_ms_p50"], 2), fmt(att, 2), fmt(moe, 2),
+            att, moe = e.attention_ms, e.moe_ms
+            r = [str(tp), str(conc), f"{level:g}", str(budget), f"{e.context:,}", fmt(e.tokens_per_s, 0),
+                 fmt(e.ttft_ms, 0), fmt(e.step_ms_p50, 2), fmt(att, 2), fmt(moe, 2),
                  fmt(att / moe, 2) if att is not None and moe else "-"]
             if projected:
-                r.insert(6, band_text(e["tokens_per_s_low"], e["tokens_per_s_high"], 0))
+                r.insert(6, band_text(e.tokens_per_s_low, e.tokens_per_s_high, 0))
             table.append(r)
         words.append(crossover(_series_name(tp, conc, level, budget), rows))
     chart = context_chart(view, series)
@@ -91,12 +90,12 @@ def _series_name(tp: int, conc: int, level: float, budget: int) -> str:
     return f"TP-{tp} C={conc} (level {level:g}, B={budget})"
 
 
-def context_chart(view: HostView, series: dict[tuple, list[dict[str, Any]]]) -> Lines:
+def context_chart(view: HostView, series: dict[tuple, list[Row]]) -> Lines:
     """Tokens/s against context, a line per series, a band where projected."""
     projected = view.kind == "projected"
-    lines = [(_series_name(*key), [e["context"] for e in rows], [e["tokens_per_s"] for e in rows],
-              ([e["tokens_per_s_low"] for e in rows], [e["tokens_per_s_high"] for e in rows])
-              if projected and all(e["tokens_per_s_low"] is not None for e in rows) else None)
+    lines = [(_series_name(*key), [e.context for e in rows], [e.tokens_per_s for e in rows],
+              ([e.tokens_per_s_low for e in rows], [e.tokens_per_s_high for e in rows])
+              if projected and all(e.tokens_per_s_low is not None for e in rows) else None)
              for key, rows in series.items()]
     return Lines("tokens_vs_context.png", lines, f"{view.name}: full model, tokens/s by context ({view.kind})",
                  "context (prompt tokens a sequence)", "tokens/s")

@@ -4,8 +4,9 @@ the accepted-length and context sections below it are built from the same run.""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Iterator
 
+from engine.rows import Row
 from flows.analysis.families import e2e_key, tp_of
 from flows.analysis.projection import TERMS, breakdown
 from flows.inventory.scrub import md
@@ -25,9 +26,9 @@ def e2e_view(view: HostView, rel: str) -> tuple[E2EView | None, tuple[Chart, ...
     if src is None:
         return None, ()
     run = src.run
-    every = sorted(run.rows("e2e"), key=lambda e: (e["config"], e["layers"] or 0, tp_of(e),
-                                                   e["synthetic_accept"] or 0, e["budget"], e["context"] or 0,
-                                                   e["concurrency"]))
+    every = sorted(run.rows("e2e"), key=lambda e: (e.config, e.layers or 0, tp_of(e),
+                                                   e.synthetic_accept or 0, e.budget, e.context or 0,
+                                                   e.concurrency))
     projected = view.kind == "projected"
     head = ["config", "layers", "tp", "level", "budget", "concurrency", "context", "accepted / step", "tokens/s",
             "step ms (p50)"]
@@ -35,15 +36,15 @@ def e2e_view(view: HostView, rel: str) -> tuple[E2EView | None, tuple[Chart, ...
         head.insert(9, "band (tokens/s)")
     table = []
     for e in every:
-        r = [md(e["config"]), str(e["layers"]), str(tp_of(e)),
-             "-" if e["synthetic_accept"] is None else f"{e['synthetic_accept']:g}", str(e["budget"]),
-             str(e["concurrency"]), "-" if e["context"] is None else f"{e['context']:,}", fmt(e["accept_len_mean"], 2),
-             fmt(e["tokens_per_s"], 0) if e["status"] == "ok" else md(e["status"]), fmt(e["step_ms_p50"], 2)]
+        r = [md(e.config), str(e.layers), str(tp_of(e)),
+             "-" if e.synthetic_accept is None else f"{e.synthetic_accept:g}", str(e.budget),
+             str(e.concurrency), "-" if e.context is None else f"{e.context:,}", fmt(e.accept_len_mean, 2),
+             fmt(e.tokens_per_s, 0) if e.status == "ok" else md(e.status), fmt(e.step_ms_p50, 2)]
         if projected:
-            r.insert(9, band_text(e["tokens_per_s_low"], e["tokens_per_s_high"], 0))
+            r.insert(9, band_text(e.tokens_per_s_low, e.tokens_per_s_high, 0))
         table.append(r)
-    rows = [e for e in every if e["status"] == "ok" and e["step_ms_p50"]]   # points with figures
-    level = sorted({e["synthetic_accept"] for e in rows if e["synthetic_accept"] is not None})
+    rows = [e for e in every if e.status == "ok" and e.step_ms_p50]   # points with figures
+    level = sorted({e.synthetic_accept for e in rows if e.synthetic_accept is not None})
     # the step split and its Amdahl shares; for a projection, the reference's next to the target's
     split, fams = [], []
     for _, name, row in _sides(view, rows):
@@ -51,23 +52,23 @@ def e2e_view(view: HostView, rel: str) -> tuple[E2EView | None, tuple[Chart, ...
         if b is not None:
             fams.append([name] + [f"{fmt(b[t], 2)} ({share(per(b[t], sum(b.values())))})" for t in FAMILY_TERMS]
                         + [fmt(sum(b.values()), 2)])
-        if any(row.get(t) is not None for t in TERMS if t != "comm_ms"):   # the stage split
+        if any(getattr(row, t) is not None for t in TERMS if t != "comm_ms"):   # the stage split
             b = breakdown(row)
             step = sum(b.values())
             split.append([name] + [f"{fmt(b[t], 2)} ({share(per(b[t], step))})" for t in TERMS] + [fmt(step, 2)])
     point_label = point_labels(rows)
     # a profiled decode's figures: a projection's modelled host time is in its family table instead
-    busy = [e for e in rows if e.get("kernel_ms") is not None and e.get("outside_ms") is not None and not projected]
+    busy = [e for e in rows if e.kernel_ms is not None and e.outside_ms is not None and not projected]
     busy_table = Table.of(["point", "kernels ms", "outside ms", "outside share"],
-                          [[point_label(e), fmt(e["kernel_ms"], 2), fmt(e["outside_ms"], 2),
-                            share(per(e["outside_ms"], e["kernel_ms"] + e["outside_ms"]))] for e in busy]) \
+                          [[point_label(e), fmt(e.kernel_ms, 2), fmt(e.outside_ms, 2),
+                            share(per(e.outside_ms, e.kernel_ms + e.outside_ms))] for e in busy]) \
         if busy else None
     largest = ""
     if projected and rows:
         last = rows[-1]
         b = family_split(last) or breakdown(last)
         top = max(b, key=lambda t: (b[t], t))
-        largest = (f"At concurrency {last['concurrency']} the largest term on {view.name} is "
+        largest = (f"At concurrency {last.concurrency} the largest term on {view.name} is "
                    f"{top.removesuffix('_ms')} ({share(per(b[top], sum(b.values())))} of the step).")
     accept, accept_charts = accept_view(view, run, rel)
     context, context_charts = context_view(view, run, rel)
@@ -80,7 +81,7 @@ def e2e_view(view: HostView, rel: str) -> tuple[E2EView | None, tuple[Chart, ...
         (chart, *accept_charts, *context_charts)
 
 
-def _sides(view: HostView, rows: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], str, dict[str, Any]]]:
+def _sides(view: HostView, rows: list[Row]) -> Iterator[tuple[Row, str, Row]]:
     """(point, its name in the tables, the row) for each point: for a projection, the reference's row
     (where it has one) and then the target's, each named by its host."""
     projected = view.kind == "projected"
@@ -96,12 +97,12 @@ def _sides(view: HostView, rows: list[dict[str, Any]]) -> Iterator[tuple[dict[st
             yield e, point_label(e) + (f" {side}" if projected else ""), row
 
 
-def amdahl_chart(view: HostView, rows: list[dict[str, Any]]) -> Amdahl:
+def amdahl_chart(view: HostView, rows: list[Row]) -> Amdahl:
     """The step's shares by family (or by stage, where a row has no family split) at the lowest and the
     highest concurrency: the plot keeps the extremes readable; the tables have every point."""
     projected = view.kind == "projected"
-    ends = {min(e["concurrency"] for e in rows), max(e["concurrency"] for e in rows)} if rows else set()
+    ends = {min(e.concurrency for e in rows), max(e.concurrency for e in rows)} if rows else set()
     bars = [(name, family_split(row) or breakdown(row)) for e, name, row in _sides(view, rows)
-            if e["concurrency"] in ends]
+            if e.concurrency in ends]
     return Amdahl("amdahl.png", bars, f"{view.name}: step shares at c={'/'.join(map(str, sorted(ends)))}"
                   + (f", {view.projection.ref_host} vs {view.name}" if projected else ""))

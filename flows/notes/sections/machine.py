@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.rows import COLUMNS
 from flows.inventory.scrub import md
 from flows.notes.fmt import sig
 from flows.notes.pages import SourceLine, Table
@@ -26,7 +27,7 @@ def source_line(src: Source | None) -> SourceLine | None:
     if src is None:
         return None
     return SourceLine(md(src.run.run_id), md(src.profile), md(src.status),
-                      md(src.run.runs_row.get("started_at") or "-"), md(src.fallback))
+                      md(src.run.runs_row.started_at or "-"), md(src.fallback))
 
 
 def _shown_in(view: HostView) -> dict[str, list[str]]:
@@ -52,13 +53,13 @@ def environment(view: HostView) -> Table:
     if host:
         rows += [("GPUs", f"{host.gpus} on {host.interconnect}", *blank), ("inventory status", status_line(view), *blank)]
     if view.kind == "measured":
-        for key in ("gpu_name", "driver", "cuda", "torch", "triton", "python", "payload_hash", "device", "profile",
-                    "started_at"):
-            cells = tuple(md(run.runs_row.get(key) or "-") for run, _ in shown)
+        for key in (COLUMNS.gpu_name, COLUMNS.driver, COLUMNS.cuda, COLUMNS.torch, COLUMNS.triton, COLUMNS.python,
+                    COLUMNS.payload_hash, COLUMNS.device, COLUMNS.profile, COLUMNS.started_at):
+            cells = tuple(md(getattr(run.runs_row, key) or "-") for run, _ in shown)
             if any(c != "-" for c in cells):
                 rows.append((key, *cells))
-        rows += [("measured copy bandwidth", *(f"{sig(run.runs_row.get('copy_gbps'))} GB/s" for run, _ in shown)),
-                 ("measured matmul", *(f"{sig(run.runs_row.get('matmul_tflops'))} TFLOP/s" for run, _ in shown))]
+        rows += [("measured copy bandwidth", *(f"{sig(run.runs_row.copy_gbps)} GB/s" for run, _ in shown)),
+                 ("measured matmul", *(f"{sig(run.runs_row.matmul_tflops)} TFLOP/s" for run, _ in shown))]
     else:
         copy, mm = ceilings_of(view.projection.run, spec)
         rows.append(("projected ceilings", f"{sig(copy)} GB/s, {sig(mm)} TFLOP/s"))
@@ -71,13 +72,13 @@ def history(view: HostView) -> Table:
     shown = _shown_in(view)
     rows = []
     for run in reversed(view.measured):
-        suites = sorted(run.rows("runs"), key=lambda r: (r["suite"] not in SUITES, SUITES.index(r["suite"])
-                                                          if r["suite"] in SUITES else 0, r["suite"]))
-        profiles = sorted({r["profile"] for r in suites})
-        listed = ", ".join(r["suite"] if r["status"] == "complete" else f"{r['suite']} ({r['status']})"
+        suites = sorted(run.rows("runs"), key=lambda r: (r.suite not in SUITES, SUITES.index(r.suite)
+                                                          if r.suite in SUITES else 0, r.suite))
+        profiles = sorted({r.profile for r in suites})
+        listed = ", ".join(r.suite if r.status == "complete" else f"{r.suite} ({r.status})"
                            for r in suites)
-        payload = run.runs_row.get("payload_hash")
-        rows.append((md(run.run_id), md(run.runs_row.get("started_at") or "-"), md(", ".join(profiles)), md(listed),
+        payload = run.runs_row.payload_hash
+        rows.append((md(run.run_id), md(run.runs_row.started_at or "-"), md(", ".join(profiles)), md(listed),
                      md(payload[:HASH_CHARS]) if payload else "-", "partial" if run.partial else "complete",
                      ", ".join(shown.get(run.run_id, [])) or "-"))
     return Table.of(("run", "started", "profile", "suites", "payload", "status", "shown here"), rows)
@@ -86,5 +87,6 @@ def history(view: HostView) -> Table:
 def suite_method(run: Run, suite: str, projected: bool) -> str | None:
     """A suite's own note in its run (how it made its figures), escaped; none for a projection,
     whose assumptions have their own section."""
-    note = None if projected else (run.suite_row(suite) or {}).get("note")
+    row = None if projected else run.suite_row(suite)
+    note = row.note if row else None
     return md(note, cap=METHOD_CHARS) if note else None

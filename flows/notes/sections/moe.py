@@ -3,8 +3,7 @@ each shape as its own line (time per token; share of the copy and spec bandwidth
 
 from __future__ import annotations
 
-from typing import Any
-
+from engine.rows import MoeShape, Row
 from flows.inventory.scrub import md
 from flows.notes.fmt import band_text, fmt, per, sig
 from flows.notes.pages import MoeTable, MoeView, Table
@@ -16,7 +15,7 @@ from flows.notes.views import HostView, Run
 SHARD_TP = 8            # the shard an 8-GPU box runs: its MoE table is expected beside the full shapes
 
 
-def moe_table(view: HostView, run: Run, pts: list[dict[str, Any]], tp: int) -> MoeTable:
+def moe_table(view: HostView, run: Run, pts: list[Row], tp: int) -> MoeTable:
     copy, mm = ceilings_of(run, view.spec)
     spec_bw = view.spec.mem_bw_gbps if view.spec else None
     projected = view.kind == "projected"
@@ -26,21 +25,22 @@ def moe_table(view: HostView, run: Run, pts: list[dict[str, Any]], tp: int) -> M
         head[2:3] = ["us", "band (us)", "regime (ref)"]
     rows = []
     for k in pts:
-        t = k["time_us_p50"]
+        t = k.time_us_p50
         gb = gbps(k)
         floor = roofline_us(k, copy, mm)
-        row = [str(k["M"]), md(k["impl"]), fmt(t), fmt(k.get("host_us")), fmt(per(t, k["M"]), 2), fmt(k["bytes"] / 1e6),
+        row = [str(k.M), md(k.impl), fmt(t), fmt(k.host_us), fmt(per(t, k.M), 2), fmt(k.bytes / 1e6),
                sig(gb), fmt(per(100 * gb, copy)), fmt(per(100 * gb, spec_bw)),
                fmt(per(100 * floor, t) if floor else None),
-               f"{k['unique_experts'] if k['unique_experts'] is not None else '-'} ({fmt(k['expected_experts'])})"]
+               f"{k.unique_experts if k.unique_experts is not None else '-'} ({fmt(k.expected_experts)})"]
         if projected:
-            row[2:3] = [fmt(t), band_text(k["time_us_low"], k["time_us_high"]),
-                        f"{md(k['regime'])} ({md(k['reference_regime'])})"]
+            row[2:3] = [fmt(t), band_text(k.time_us_low, k.time_us_high),
+                        f"{md(k.regime)} ({md(k.reference_regime)})"]
         rows.append(row)
-    p = pts[0]
-    inter = f", expert intermediate {p['N'] // 2} (gate_up N = {p['N']}, down K = {p['N'] // 2})" if p["N"] else ""
+    s = MoeShape.of(pts[0])
+    inter = (f", expert intermediate {s.gate_up_rows // 2} (gate_up N = {s.gate_up_rows}, down K = "
+             f"{s.gate_up_rows // 2})" if s.gate_up_rows else "")
     title = "Full shapes" if tp == 1 else f"TP-{tp} shard shapes (one rank of a TP-{tp} deployment)"
-    shape = f"E={p['E']} routed experts, top-{p['top_k']}, H={p['K']}{inter}"
+    shape = f"E={s.experts} routed experts, top-{s.top_k}, H={s.hidden}{inter}"
     return MoeTable(title, shape, md(impls_of(pts)), plateau_m(pts), Table.of(head, rows))
 
 
@@ -71,10 +71,10 @@ def moe_charts(view: HostView, run: Run, degrees: list[int]) -> tuple[Lines, Lin
     per_token, pct = [], []
     for tp in degrees:
         pts = moe_points(run, tp)
-        ms = [k["M"] for k in pts]
-        per_token.append((f"{_shape_label(tp)} ({impls_of(pts)})", ms, [per(k["time_us_p50"], k["M"]) for k in pts],
-                          ([per(k["time_us_low"], k["M"]) for k in pts], [per(k["time_us_high"], k["M"]) for k in pts])
-                          if projected and all(k["time_us_low"] is not None for k in pts) else None))
+        ms = [k.M for k in pts]
+        per_token.append((f"{_shape_label(tp)} ({impls_of(pts)})", ms, [per(k.time_us_p50, k.M) for k in pts],
+                          ([per(k.time_us_low, k.M) for k in pts], [per(k.time_us_high, k.M) for k in pts])
+                          if projected and all(k.time_us_low is not None for k in pts) else None))
         pct += [(f"{_shape_label(tp)}, % of {label} BW ({sig(bw)} GB/s)", ms,
                  [per(100 * gbps(k), bw) for k in pts], None)
                 for label, bw in (("copy", copy), ("spec", spec_bw)) if bw]

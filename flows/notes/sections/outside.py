@@ -22,12 +22,12 @@ def outside_entries(view: HostView) -> tuple[OutsideEntry, ...]:
             f"**{md(run.run_id)}** ({md(prov.get('origin'))}): {md(prov.get('machine', '-'))}; "
             f"{md(prov.get('date', '-'))}; source: {md(prov.get('source', '-'), cap=400)}.",
             Table.of(["engine", "config", "layers", "tp", "concurrency", "tokens/s", "TTFT ms", "ITL ms"],
-                     [[md(prov.get("impl", "-")), md(e["config"]), str(e["layers"] or "-"), str(tp_of(e)),
-                       str(e["concurrency"]), fmt(e["tokens_per_s"]), fmt(e["ttft_ms"]), fmt(e["itl_ms_p50"])]
-                      for e in sorted(e2e, key=lambda e: e["concurrency"])]) if e2e else None,
+                     [[md(prov.get("impl", "-")), md(e.config), str(e.layers or "-"), str(tp_of(e)),
+                       str(e.concurrency), fmt(e.tokens_per_s), fmt(e.ttft_ms), fmt(e.itl_ms_p50)]
+                      for e in sorted(e2e, key=lambda e: e.concurrency)]) if e2e else None,
             Table.of(["kernel", "impl", "M", "us", "us/token", "GB/s"],
-                     [[md(k["kernel"]), md(k["impl"]), str(k["M"] or "-"), fmt(k["time_us_p50"]),
-                       fmt(per(k["time_us_p50"], k["M"]), 2), sig(gbps(k))]
+                     [[md(k.kernel), md(k.impl), str(k.M or "-"), fmt(k.time_us_p50),
+                       fmt(per(k.time_us_p50, k.M), 2), sig(gbps(k))]
                       for k in sorted(kern, key=point_key_sort)]) if kern else None,
             tuple(md(n, cap=400) for n in notes[:20]) if isinstance(notes, list) else ()))
     return tuple(out)

@@ -55,7 +55,7 @@ def index_view(views: Sequence[HostView]) -> IndexView:
     rows = []
     for v in views:
         run = v.latest
-        started = md(run.runs_row.get("started_at") or "-") if run else "-"
+        started = md(run.runs_row.started_at or "-") if run else "-"
         gpu = f"{v.host.gpus} x {v.spec.gpu}" if v.host and v.spec else "-"
         retired = "-"
         if v.host and v.host.status == "retired":

@@ -80,7 +80,8 @@ def assumption_text(a: Assumption) -> str:
                 f"size, cross-host) and the measurement spread; unknown where a carry has fewer than "
                 f"{a.min_points} held-out points" + (f"; widened to the spread across {n} references"
                                                      if n > 1 else ""))
-    return ", ".join(f"{md(k)} {md(v)}" for k, v in sorted(a.record.items()))
+    # map_strings escaped the record's string values above; its keys and other values are escaped here
+    return ", ".join(f"{md(k)} {v if isinstance(v, str) else md(v)}" for k, v in sorted(a.record.items()))
 
 
 def projection_view(view: HostView) -> ProjectionView:

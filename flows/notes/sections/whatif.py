@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from engine.rows import Row
 from engine.schema import provenance
+from flows.analysis.ceilings import rows_of
 from flows.inventory.scrub import md
 from flows.notes.pages import LevelTable, WhatIfView
 
@@ -18,30 +20,30 @@ def _context(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
 
 
-def _cell(row: Mapping[str, Any], note: Mapping[str, Any]) -> str:
-    if row["status"] != "ok":
-        return md(row["skip_reason"] or "does not fit")
-    band = (f" ({row['tokens_per_s_low']:,.0f}-{row['tokens_per_s_high']:,.0f})"
-            if row["tokens_per_s_low"] is not None else " (band unknown)")
-    return f"{row['tokens_per_s']:,.0f} tok/s{band}; {md(note.get('largest', ''))}"
+def _cell(row: Row, note: Mapping[str, Any]) -> str:
+    if row.status != "ok":
+        return md(row.skip_reason or "does not fit")
+    band = (f" ({row.tokens_per_s_low:,.0f}-{row.tokens_per_s_high:,.0f})"
+            if row.tokens_per_s_low is not None else " (band unknown)")
+    return f"{row.tokens_per_s:,.0f} tok/s{band}; {md(note.get('largest', ''))}"
 
 
 def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
     """The page section of a stored what-if run (None when it has no rows)."""
-    rows = tables["e2e"].to_pylist() if "e2e" in tables else []
+    rows = rows_of(tables, "e2e")
     if not rows:
         return None
     prov = provenance(tables["runs"])
     notes = list(prov.get("answers", []))
     notes += [{}] * (len(rows) - len(notes))
-    levels: dict[Any, list[tuple[dict[str, Any], Mapping[str, Any]]]] = {}
+    levels: dict[Any, list[tuple[Row, Mapping[str, Any]]]] = {}
     for r, n in zip(rows, notes):
-        levels.setdefault((r["synthetic_accept"], r["accept_len_mean"]), []).append((r, n if isinstance(n, dict) else {}))
+        levels.setdefault((r.synthetic_accept, r.accept_len_mean), []).append((r, n if isinstance(n, dict) else {}))
     out = []
     for (level, accept), cells in sorted(levels.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0, kv[0][1])):
-        contexts = sorted({r["context"] for r, _ in cells})
-        concs = sorted({r["concurrency"] for r, _ in cells})
-        at = {(r["concurrency"], r["context"]): (r, n) for r, n in cells}
+        contexts = sorted({r.context for r, _ in cells})
+        concs = sorted({r.concurrency for r, _ in cells})
+        at = {(r.concurrency, r.context): (r, n) for r, n in cells}
         body = tuple((f"C = {c}", *(_cell(*at[(c, s)]) if (c, s) in at else "-" for s in contexts)) for c in concs)
         name = f"level {level:g}, " if level is not None else ""
         out.append(LevelTable(f"{name}{accept:.2f} accepted draft tokens a step",
@@ -54,7 +56,7 @@ def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
         lines.append("extrapolated beyond the measured shapes in some cells: " + md(", ".join(extrapolated), cap=600))
     if unknown:
         lines.append("band unknown where a carry has too little held-out evidence: " + md(", ".join(unknown), cap=400))
-    intro = (f"The step model's answers (projected, not measured) at TP-{first['tp']}, tree budget {first['budget']}, "
+    intro = (f"The step model's answers (projected, not measured) at TP-{first.tp}, tree budget {first.budget}, "
              f"from {md(prov.get('reference_host', '?'))} run {md(prov.get('reference_run_id', '?'))}: tokens/s = C x "
              "(accepted + 1) / (step + comm), the steady state of a full batch, with its band from the backtests' "
              "held-out errors, and the step's largest term.")
