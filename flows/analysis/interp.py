@@ -5,7 +5,9 @@ full grid. `interpolate` walks the axes in order: on the first axis it takes the
 that bracket the query (log scale) and recurses on the samples at each; the two answers are blended
 linearly in log axis. Outside the measured values of an axis the edge value is held (or, with
 `beyond="slope"`, the edge segment's log-log slope is extended, clipped), and the axis is named in
-`extrapolated`: a figure built on it is an extrapolation, and says so.
+`extrapolated`: a figure built on it is an extrapolation, and says so. `interpolate_borrowing` fills
+such an edge from another level of the first axis where one spans the query (a trend borrowed, still
+labelled extrapolated).
 """
 
 from __future__ import annotations
@@ -80,3 +82,37 @@ def interpolate(samples: Sequence[Sample], query: Mapping[str, float], axes: Seq
     else:
         value = (1 - w) * a.value + w * b.value
     return Estimate(value, _merge(a.extrapolated, b.extrapolated), _merge((axis,), a.interpolated, b.interpolated))
+
+
+def interpolate_borrowing(samples: Sequence[Sample], query: Mapping[str, float], axes: Sequence[str]) -> Estimate:
+    """`interpolate` over `axes`, except that at each level of the first axis whose samples do not reach
+    the query along the second, the edge value takes the trend of the nearest level that spans the
+    query there (its value at the query over its value at the edge); then linear in log of the first
+    axis between levels. The borrowed axis stays labelled extrapolated: it was not measured there."""
+    level, trend, rest = axes[0], axes[1], tuple(axes[1:])
+    levels = sorted({float(s[level]) for s, _ in samples})
+    by = {lv: [(s, v) for s, v in samples if float(s[level]) == lv] for lv in levels}
+    spans = {lv: sorted({float(s[trend]) for s, _ in by[lv]}) for lv in levels}
+    t = float(query[trend])
+    per_level = []
+    for lv in levels:
+        est = interpolate(by[lv], query, rest)
+        donors = [d for d in levels if d != lv and len(spans[d]) > 1 and spans[d][0] <= t <= spans[d][-1]]
+        if trend in est.extrapolated and donors:
+            donor = min(donors, key=lambda d: (abs(math.log(d / lv)), d))
+            edge = min(spans[lv], key=lambda x: abs(math.log(x / t)))
+            est = est.scaled(interpolate(by[donor], query, rest).value
+                             / interpolate(by[donor], {**query, trend: edge}, rest).value)
+        per_level.append((lv, est))
+    blend = interpolate([({level: lv}, e.value) for lv, e in per_level], query, (level,))
+    used = [e for lv, e in per_level if lv in _bracket(levels, float(query[level]))]
+    return Estimate(blend.value, _merge(blend.extrapolated, *(e.extrapolated for e in used)),
+                    _merge(blend.interpolated, *(e.interpolated for e in used)))
+
+
+def _bracket(levels: Sequence[float], x: float) -> set[float]:
+    """The levels an interpolation at x reads: x itself, or the two around it, or the nearest edge."""
+    if x in levels:
+        return {x}
+    below, above = [v for v in levels if v < x], [v for v in levels if v > x]
+    return {v for v in (max(below, default=None), min(above, default=None)) if v is not None}

@@ -36,7 +36,7 @@ from engine.costs import dense_op_cost, dense_op_rows, dense_ops
 from engine.rows import COLUMNS, Row
 from flows.analysis.carrier import SHARE, Side, how
 from flows.analysis.families import E2E_CONTEXT, e2e_key, tp_of
-from flows.analysis.interp import Estimate, Sample, interpolate
+from flows.analysis.interp import Estimate, Sample, interpolate, interpolate_borrowing
 from flows.analysis.kernelfit import Carry, FamilyModel, cost_of, fit_all
 from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, Ceilings, CommModel, Machine, Tables, comm_model,
                                      measured_ceilings, rows_of)
@@ -298,45 +298,11 @@ def per_layer_at(lines: Sequence[PerLayer], tp: int, tokens: int) -> Estimate:
 
 
 def in_step_factor(samples: Sequence[Sample], shape: Mapping[str, float]) -> Estimate:
-    """A family's in-step/suite factor at (tp, tokens, context): at each measured TP degree over its own
-    tokens and contexts, then linear in log tp between degrees. Where a degree's tokens do not reach the
-    query's (measured at one token count, say), its edge value follows the token trend of the nearest
-    degree whose tokens do, as gpu_other's per-layer lines borrow a slope: the trend (routing spread,
-    launch tails) is the batch's, and TP only scales it. Still labelled extrapolated in tokens."""
-    levels = sorted({float(s["tp"]) for s, _ in samples})
-    by = {lv: [(s, v) for s, v in samples if float(s["tp"]) == lv] for lv in levels}
-
-    def tokens_of(lv: float) -> list[float]:
-        return sorted({float(s["tokens"]) for s, _ in by[lv]})
-
-    def covers(lv: float, t: float) -> bool:
-        ts = tokens_of(lv)
-        return ts[0] <= t <= ts[-1]
-
-    per_level = []
-    for lv in levels:
-        est = interpolate(by[lv], shape, CAL_AXES[1:])
-        t = float(shape["tokens"])
-        donors = [d for d in levels if d != lv and covers(d, t) and len(tokens_of(d)) > 1]
-        if "tokens" in est.extrapolated and donors:
-            donor = min(donors, key=lambda d: (abs(math.log(d / lv)), d))
-            edge = min(tokens_of(lv), key=lambda x: abs(math.log(x / t)))
-            at = interpolate(by[donor], shape, CAL_AXES[1:]).value
-            from_ = interpolate(by[donor], {**shape, "tokens": edge}, CAL_AXES[1:]).value
-            est = est.scaled(at / from_)
-        per_level.append(({"tp": lv}, est))
-    blend = interpolate([(s, e.value) for s, e in per_level], shape, ("tp",))
-    used = [e for s, e in per_level if s["tp"] in _bracket(levels, float(shape["tp"]))]
-    return Estimate(blend.value, tuple(dict.fromkeys([*blend.extrapolated, *(a for e in used for a in e.extrapolated)])),
-                    tuple(dict.fromkeys([*blend.interpolated, *(a for e in used for a in e.interpolated)])))
-
-
-def _bracket(levels: Sequence[float], x: float) -> set[float]:
-    """The measured levels an interpolation at x reads: x itself, or the two around it, or the nearest edge."""
-    if x in levels:
-        return {x}
-    below, above = [v for v in levels if v < x], [v for v in levels if v > x]
-    return {v for v in (max(below, default=None), min(above, default=None)) if v is not None}
+    """A family's in-step/suite factor at (tp, tokens, context): per TP degree over its own tokens and
+    contexts, a degree whose tokens do not reach the query's following the token trend of the nearest
+    degree that does (as gpu_other's per-layer lines borrow a slope: the trend, routing spread and
+    launch tails, is the batch's, and TP only scales it), then linear in log tp between degrees."""
+    return interpolate_borrowing(samples, shape, CAL_AXES)
 
 
 # -- building and answering -------------------------------------------------------------------------
