@@ -35,6 +35,33 @@ def _issue(kv, kr, c_dst, kp_dst, n0, last, DL: gl.constexpr, DR: gl.constexpr, 
 
 
 @gluon.jit
+def key_range(pid_m, pid_s, ctx, T, S, chunk, H: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """A program's keys: its split's start and end, where its whole prefix blocks end, its blocks."""
+    start = pid_s * chunk
+    end = gl.minimum(gl.minimum(start + chunk, ctx + T), S)  # the tree sits inside the cache
+    if CAUSAL:  # no row of this tile sees past its last token's own key
+        end = gl.minimum(end, ctx + gl.minimum((pid_m * BM + BM - 1) // H, T - 1) + 1)
+    prefix_end = start + gl.maximum(gl.minimum(end, ctx) - start, 0) // BN * BN
+    return start, end, prefix_end, gl.cdiv(gl.maximum(end - start, 0), BN)
+
+
+@gluon.jit
+def masked(s, n0, ctx, end, rs, rows, tok, mask_ptr, b, T, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """Scores of keys n0 .. n0 + BN - 1 with the invisible ones at -inf: past `end`, or in the tree
+    (key ctx + u) where tree_mask[b, token, u] is False (causal: u > token)."""
+    rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
+    rel = rn - ctx
+    kval = rn < end
+    if CAUSAL:
+        seen = rel[None, :] <= tok[:, None]
+    else:
+        in_tree = (rs < rows)[:, None] & (kval & (rel >= 0))[None, :]
+        mrow = mask_ptr + (b.to(gl.int64) * T + tok) * T
+        seen = gl.load(mrow[:, None] + rel[None, :], mask=in_tree, other=0) != 0
+    return gl.where(kval[None, :] & ((rel < 0)[None, :] | seen), s, float("-inf"))
+
+
+@gluon.jit
 def mla_rows_sm90(qn_ptr, qr_ptr, ckv_ptr, kpe_ptr, ctx_ptr, mask_ptr, o_ptr, lse_ptr,
                   qk_scale, T, S, chunk, n_splits,
                   H: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
@@ -65,12 +92,7 @@ def mla_rows_sm90(qn_ptr, qr_ptr, ckv_ptr, kpe_ptr, ctx_ptr, mask_ptr, o_ptr, ls
     cp.async_copy_global_to_shared(q_r, qr_ptr + rq2[:, None] * DR + gl.arange(0, DR, layout=gl.SliceLayout(0, LD_R))[None, :])
     cp.commit_group()
 
-    start = pid_s * chunk
-    end = gl.minimum(gl.minimum(start + chunk, ctx + T), S)  # the tree sits inside the cache
-    if CAUSAL:  # no row of this tile sees past its last token's own key
-        end = gl.minimum(end, ctx + gl.minimum((pid_m * BM + BM - 1) // H, T - 1) + 1)
-    prefix_end = start + gl.maximum(gl.minimum(end, ctx) - start, 0) // BN * BN
-    n_blocks = gl.cdiv(gl.maximum(end - start, 0), BN)
+    start, end, prefix_end, n_blocks = key_range(pid_m, pid_s, ctx, T, S, chunk, H, BM, BN, CAUSAL)
     kv = ckv_ptr + b.to(gl.int64) * S * DL
     kr = kpe_ptr + b.to(gl.int64) * S * DR
     if n_blocks > 0:
@@ -94,16 +116,7 @@ def mla_rows_sm90(qn_ptr, qr_ptr, ckv_ptr, kpe_ptr, ctx_ptr, mask_ptr, o_ptr, ls
         s = warpgroup_mma(q_r, kp_buf.index(st).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s]) * qk_scale
         if n0 + BN > prefix_end:  # the prefix's tail block and the tree
-            rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
-            rel = rn - ctx
-            kval = rn < end
-            if CAUSAL:
-                seen = rel[None, :] <= tok[:, None]
-            else:
-                in_tree = (rs < rows)[:, None] & (kval & (rel >= 0))[None, :]
-                mrow = mask_ptr + (b.to(gl.int64) * T + tok) * T
-                seen = gl.load(mrow[:, None] + rel[None, :], mask=in_tree, other=0) != 0
-            s = gl.where(kval[None, :] & ((rel < 0)[None, :] | seen), s, float("-inf"))
+            s = masked(s, n0, ctx, end, rs, rows, tok, mask_ptr, b, T, BN, CAUSAL)
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row may have seen no key yet
         p = gl.exp2(s - m_use[:, None])

@@ -10,14 +10,15 @@ with no mask and no bounds; only the blocks from the last whole prefix block on 
 tile stops at its last token's own key. Splits of the key range are planned on the host from sizes
 alone (no sync) to fill the chip; a combine kernel merges them by log-sum-exp in a fixed order, so
 results do not depend on scheduling. T = 1 with mask [[True]] is plain decode through the same path.
-Two kernels compute this: `_mla_rows` here (tl.dot; every GPU and the CPU interpreter) and, on
-sm_90, mla_gluon.py's (the same programs with the MMA layouts written out); `CONFIGS` picks.
+Three kernels compute this: `_mla_rows` here (tl.dot; every GPU and the CPU interpreter) and, on
+sm_90, mla_gluon.py's (the same programs with the MMA layouts written out) and mla_gluon_ws.py's
+(the same programs, two warpgroups out of phase, FlashMLA's schedule); `CONFIGS` picks.
 """
 
 from __future__ import annotations
 
 from functools import cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -25,16 +26,17 @@ import triton.language as tl
 from torch import Tensor
 
 try:  # Gluon (triton.experimental) ships with Triton 3.6; without it the tl.dot kernel runs everywhere
-    from kernels import mla_gluon
+    from kernels import mla_gluon, mla_gluon_ws
 except ImportError:
-    mla_gluon = None
+    mla_gluon = mla_gluon_ws = None
 
 LOG2E = 1.4426950408889634  # scores go through exp2
 
 
 class Config(NamedTuple):
     """A tile config: which kernel ("triton": tl.dot, any backend and the interpreter; "gluon": the
-    sm_90 kernel of mla_gluon.py, bf16, BM = BN = 64, 8 warps), its row and key tiles, warps, stages."""
+    sm_90 kernel of mla_gluon.py, bf16, BM = BN = 64, 8 warps; "gluon_ws": mla_gluon_ws.py's, bf16,
+    BM = BN = 64, warps 4 a warpgroup), its row and key tiles, warps, stages."""
 
     kernel: str
     bm: int
@@ -170,8 +172,21 @@ def pick_config(cap: tuple[int, int] | None, rows: int, dtype: torch.dtype) -> C
 
 
 def gluon_runs(cap: tuple[int, int] | None, dtype: torch.dtype) -> bool:
-    """Whether the sm_90 Gluon kernel can run here: Gluon imported, a Hopper GPU, bf16 inputs."""
+    """Whether the sm_90 Gluon kernels can run here: Gluon imported, a Hopper GPU, bf16 inputs."""
     return mla_gluon is not None and cap == (9, 0) and dtype == torch.bfloat16
+
+
+def rows_kernel(cfg: Config, cap: tuple[int, int] | None, dtype: torch.dtype) -> Any:
+    """The row kernel `cfg` names, after checking it can run these inputs with these tiles."""
+    if cfg.kernel == "triton":
+        return _mla_rows
+    if cfg.kernel not in ("gluon", "gluon_ws"):
+        raise ValueError(f"mla_tree_attention: unknown kernel {cfg.kernel!r} (triton, gluon, gluon_ws)")
+    gluon = mla_gluon if cfg.kernel == "gluon" else mla_gluon_ws
+    if not (gluon_runs(cap, dtype) and (cfg.bm, cfg.bn, cfg.warps) == (64, 64, gluon.NUM_WARPS.value)):
+        warps = "8 warps" if cfg.kernel == "gluon" else "4 warps a warpgroup"
+        raise ValueError(f"mla_tree_attention: {cfg} needs Gluon, an sm_90 GPU, bf16 and BM = BN = 64, {warps}")
+    return gluon.mla_rows_sm90 if cfg.kernel == "gluon" else gluon.mla_rows_sm90_ws
 
 
 def plan_splits(tiles: int, s: int, bn: int, sms: int) -> tuple[int, int]:
@@ -211,9 +226,7 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
         raise ValueError("mla_tree_attention: a tree mask is needed unless causal=True")
     rows, cap = t * hh, capability(q_nope.device)
     cfg = config or pick_config(cap, rows, q_nope.dtype)
-    if cfg.kernel == "gluon" and not (gluon_runs(cap, q_nope.dtype) and (cfg.bm, cfg.bn, cfg.warps) ==
-                                      (64, 64, mla_gluon.NUM_WARPS.value)):
-        raise ValueError(f"mla_tree_attention: {cfg} needs Gluon, an sm_90 GPU, bf16 and BM = BN = 64, 8 warps")
+    kernel = rows_kernel(cfg, cap, q_nope.dtype)
     tiles = triton.cdiv(rows, cfg.bm)
     if splits is None:
         n_splits, chunk = plan_splits(bt * tiles, s, cfg.bn, sm_count(q_nope.device))
@@ -230,7 +243,6 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
     else:
         part = torch.empty(bt * rows, n_splits, dl, dtype=torch.float32, device=qn.device)
         lse = torch.empty(bt * rows, n_splits, dtype=torch.float32, device=qn.device)
-    kernel = mla_gluon.mla_rows_sm90 if cfg.kernel == "gluon" else _mla_rows
     kernel[(tiles, n_splits, bt)](qn, qr, ckv, kpe, ctx_lens, mask, part, lse,
                                   sm_scale * LOG2E, t, s, chunk, n_splits,
                                   H=hh, DL=dl, DR=dr, BM=cfg.bm, BN=cfg.bn, CAUSAL=causal, ONE_SPLIT=one,

@@ -1,0 +1,85 @@
+"""The sm_90 Gluon MLA kernels off the GPU: which one a Config dispatches to, what it refuses, and
+that each compiles for sm_90 (Triton targets a GPU it does not have; ptxas ships with it) within
+the H200's shared memory, so a kernel that does not build never reaches a device run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import mla_tree_attention as mta
+
+pytest.importorskip("triton.experimental.gluon")
+from kernels import mla_gluon, mla_gluon_ws  # noqa: E402
+
+SM90_SHARED_BYTES = 227 * 1024  # the most one CTA may use on sm_90
+
+
+def test_a_config_names_its_row_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"gluon" is the lockstep kernel at 8 warps, "gluon_ws" the warp-specialized one at 4 warps a
+    warpgroup; each refuses other tiles and warps, inputs other than bf16 and GPUs other than sm_90."""
+    C, bf16 = mta.Config, torch.bfloat16
+    assert mta.rows_kernel(C("triton", 64, 64, 8, 2), None, torch.float32) is mta._mla_rows
+    with pytest.raises(ValueError, match="needs Gluon"):
+        mta.rows_kernel(C("gluon_ws", 64, 64, 4, 1), None, bf16)  # the CPU interpreter
+    assert mta.rows_kernel(C("gluon", 64, 64, 8, 1), (9, 0), bf16) is mla_gluon.mla_rows_sm90
+    assert mta.rows_kernel(C("gluon_ws", 64, 64, 4, 1), (9, 0), bf16) is mla_gluon_ws.mla_rows_sm90_ws
+    for bad in (C("gluon_ws", 64, 64, 8, 1), C("gluon_ws", 64, 32, 4, 1), C("gluon", 64, 64, 4, 1)):
+        with pytest.raises(ValueError, match="BM = BN = 64"):
+            mta.rows_kernel(bad, (9, 0), bf16)
+    for cap, dtype in (((9, 0), torch.float16), ((10, 0), bf16)):
+        with pytest.raises(ValueError, match="needs Gluon"):
+            mta.rows_kernel(C("gluon_ws", 64, 64, 4, 1), cap, dtype)
+    with pytest.raises(ValueError, match="unknown kernel 'cuda'"):
+        mta.rows_kernel(C("cuda", 64, 64, 4, 1), (9, 0), bf16)
+    monkeypatch.setattr(mta, "mla_gluon_ws", None)  # a Triton without Gluon
+    monkeypatch.setattr(mta, "mla_gluon", None)
+    with pytest.raises(ValueError, match="needs Gluon"):
+        mta.rows_kernel(C("gluon_ws", 64, 64, 4, 1), (9, 0), bf16)
+
+
+def test_the_launch_refuses_a_gluon_config_on_the_cpu() -> None:
+    q = torch.zeros(1, 2, 8, 512, dtype=torch.bfloat16)
+    kv, kr = torch.zeros(1, 64, 512, dtype=torch.bfloat16), torch.zeros(1, 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs Gluon"):
+        mta.mla_tree_attention(q, q[..., :64], kv, kr, torch.tensor([62]), None, 0.1, causal=True,
+                               config=mta.Config("gluon_ws", 64, 64, 4, 1))
+
+
+def test_what_ships_is_unchanged_and_the_bench_names_the_new_kernel() -> None:
+    """gluon_ws is selectable by name (engine.bench_mla's --check / --kernels), not picked by the table."""
+    bench = pytest.importorskip("engine.bench_mla")
+    assert all(cfg.kernel != "gluon_ws" for table in mta.CONFIGS.values() for cfg in table.values())
+    for cfg in bench.NAMED.values():  # every name the bench takes launches on an H200
+        mta.rows_kernel(cfg, (9, 0), torch.bfloat16)
+    assert bench.NAMED["gluon_ws"].kernel == "gluon_ws"
+
+
+def compile_sm90(fn, causal: bool, one_split: bool, warps: int):  # type: ignore[no-untyped-def]
+    """triton.compile for an sm_90 target, the pointer and size attributes the JIT would give a launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {k: "*bf16" for k in ("qn_ptr", "qr_ptr", "ckv_ptr", "kpe_ptr")}
+    sig |= {"ctx_ptr": "*i64", "mask_ptr": "*i8", "o_ptr": "*bf16" if one_split else "*fp32", "lse_ptr": "*fp32",
+            "qk_scale": "fp32", "T": "i32", "S": "i32", "chunk": "i32", "n_splits": "i32"}
+    consts = {"H": 8, "DL": 512, "DR": 64, "BM": 64, "BN": 64, "CAUSAL": causal, "ONE_SPLIT": one_split}
+    sig |= {k: "constexpr" for k in consts}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}  # the pointers, as the JIT sees torch's
+    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": 1})
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("one_split", [True, False])
+@pytest.mark.parametrize("name", ["gluon", "gluon_ws"])
+def test_the_gluon_kernels_build_for_sm90_within_shared_memory(name: str, causal: bool, one_split: bool) -> None:
+    mod = mla_gluon if name == "gluon" else mla_gluon_ws
+    fn = mod.mla_rows_sm90 if name == "gluon" else mod.mla_rows_sm90_ws
+    k = compile_sm90(fn, causal, one_split, mod.NUM_WARPS.value)
+    assert k.asm["cubin"] and ".target sm_90a" in k.asm["ptx"]
+    assert 0 < k.metadata.shared <= SM90_SHARED_BYTES
+    assert k.metadata.num_warps == 8  # the warp-specialized kernel: 4 + a worker warpgroup of 4
+    if name == "gluon_ws":  # the softmax overlaps the tensor cores only if the two are separate partitions
+        assert "setmaxnreg" in k.asm["ptx"] and "wgmma.mma_async" in k.asm["ptx"]
