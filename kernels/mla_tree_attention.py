@@ -12,7 +12,8 @@ alone (no sync) to fill the chip; a combine kernel merges them by log-sum-exp in
 results do not depend on scheduling. T = 1 with mask [[True]] is plain decode through the same path.
 Three kernels compute this: `_mla_rows` here (tl.dot; every GPU and the CPU interpreter) and, on
 sm_90, mla_gluon.py's (the same programs with the MMA layouts written out) and mla_gluon_ws.py's
-(the same programs, two warpgroups out of phase, FlashMLA's schedule); `CONFIGS` picks.
+(the same programs, two warpgroups out of phase, FlashMLA's schedule) and mla_gluon_tma.py's
+(mla_gluon.py's schedule, key blocks loaded by TMA); `CONFIGS` picks.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ import triton.language as tl
 from torch import Tensor
 
 try:  # Gluon (triton.experimental) ships with Triton 3.6; without it the tl.dot kernel runs everywhere
-    from kernels import mla_gluon, mla_gluon_ws
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kernels import mla_gluon, mla_gluon_tma, mla_gluon_ws
 except ImportError:
-    mla_gluon = mla_gluon_ws = None
+    mla_gluon = mla_gluon_tma = mla_gluon_ws = None
 
 LOG2E = 1.4426950408889634  # scores go through exp2
 
@@ -36,7 +39,7 @@ LOG2E = 1.4426950408889634  # scores go through exp2
 class Config(NamedTuple):
     """A tile config: which kernel ("triton": tl.dot, any backend and the interpreter; "gluon": the
     sm_90 kernel of mla_gluon.py, bf16, BM = BN = 64, 8 warps; "gluon_ws": mla_gluon_ws.py's, bf16,
-    BM = BN = 64, warps 4 a warpgroup), its row and key tiles, warps, stages."""
+    BM = BN = 64, warps 4 a warpgroup; "gluon_tma": mla_gluon_tma.py's, as "gluon"), its row and key tiles, warps, stages."""
 
     kernel: str
     bm: int
@@ -180,13 +183,23 @@ def rows_kernel(cfg: Config, cap: tuple[int, int] | None, dtype: torch.dtype) ->
     """The row kernel `cfg` names, after checking it can run these inputs with these tiles."""
     if cfg.kernel == "triton":
         return _mla_rows
-    if cfg.kernel not in ("gluon", "gluon_ws"):
-        raise ValueError(f"mla_tree_attention: unknown kernel {cfg.kernel!r} (triton, gluon, gluon_ws)")
-    gluon = mla_gluon if cfg.kernel == "gluon" else mla_gluon_ws
+    mods = {"gluon": mla_gluon, "gluon_ws": mla_gluon_ws, "gluon_tma": mla_gluon_tma}
+    if cfg.kernel not in mods:
+        raise ValueError(f"mla_tree_attention: unknown kernel {cfg.kernel!r} (triton, {', '.join(mods)})")
+    gluon = mods[cfg.kernel]
     if not (gluon_runs(cap, dtype) and (cfg.bm, cfg.bn, cfg.warps) == (64, 64, gluon.NUM_WARPS.value)):
-        warps = "8 warps" if cfg.kernel == "gluon" else "4 warps a warpgroup"
+        warps = "4 warps a warpgroup" if cfg.kernel == "gluon_ws" else "8 warps"
         raise ValueError(f"mla_tree_attention: {cfg} needs Gluon, an sm_90 GPU, bf16 and BM = BN = 64, {warps}")
-    return gluon.mla_rows_sm90 if cfg.kernel == "gluon" else gluon.mla_rows_sm90_ws
+    return {"gluon": mla_gluon.mla_rows_sm90, "gluon_ws": mla_gluon_ws.mla_rows_sm90_ws, "gluon_tma": mla_gluon_tma.mla_rows_sm90_tma}[cfg.kernel]
+
+
+def key_args(cfg: Config, ckv: Tensor, kpe: Tensor) -> tuple[Any, Any]:
+    """The cache as the row kernel takes it: tensors, or for gluon_tma TMA descriptors of key blocks
+    over the flattened [batch * S, D] cache."""
+    if cfg.kernel != "gluon_tma":
+        return ckv, kpe
+    return tuple(TensorDescriptor.from_tensor(x.view(-1, x.shape[-1]), [cfg.bn, x.shape[-1]], mla_gluon_tma.KEY_LAYOUT)
+                 for x in (ckv, kpe))
 
 
 def plan_splits(tiles: int, s: int, bn: int, sms: int) -> tuple[int, int]:
@@ -243,7 +256,7 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
     else:
         part = torch.empty(bt * rows, n_splits, dl, dtype=torch.float32, device=qn.device)
         lse = torch.empty(bt * rows, n_splits, dtype=torch.float32, device=qn.device)
-    kernel[(tiles, n_splits, bt)](qn, qr, ckv, kpe, ctx_lens, mask, part, lse,
+    kernel[(tiles, n_splits, bt)](qn, qr, *key_args(cfg, ckv, kpe), ctx_lens, mask, part, lse,
                                   sm_scale * LOG2E, t, s, chunk, n_splits,
                                   H=hh, DL=dl, DR=dr, BM=cfg.bm, BN=cfg.bn, CAUSAL=causal, ONE_SPLIT=one,
                                   num_warps=cfg.warps, num_stages=cfg.stages)

@@ -10,7 +10,7 @@ import torch
 from kernels import mla_tree_attention as mta
 
 pytest.importorskip("triton.experimental.gluon")
-from kernels import mla_gluon, mla_gluon_ws  # noqa: E402
+from kernels import mla_gluon, mla_gluon_tma, mla_gluon_ws  # noqa: E402
 
 SM90_SHARED_BYTES = 227 * 1024  # the most one CTA may use on sm_90
 
@@ -24,6 +24,9 @@ def test_a_config_names_its_row_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
         mta.rows_kernel(C("gluon_ws", 64, 64, 4, 1), None, bf16)  # the CPU interpreter
     assert mta.rows_kernel(C("gluon", 64, 64, 8, 1), (9, 0), bf16) is mla_gluon.mla_rows_sm90
     assert mta.rows_kernel(C("gluon_ws", 64, 64, 4, 1), (9, 0), bf16) is mla_gluon_ws.mla_rows_sm90_ws
+    assert mta.rows_kernel(C("gluon_tma", 64, 64, 8, 1), (9, 0), bf16) is mla_gluon_tma.mla_rows_sm90_tma
+    with pytest.raises(ValueError, match="BM = BN = 64, 8 warps"):
+        mta.rows_kernel(C("gluon_tma", 64, 64, 4, 1), (9, 0), bf16)
     for bad in (C("gluon_ws", 64, 64, 8, 1), C("gluon_ws", 64, 32, 4, 1), C("gluon", 64, 64, 4, 1)):
         with pytest.raises(ValueError, match="BM = BN = 64"):
             mta.rows_kernel(bad, (9, 0), bf16)
@@ -49,10 +52,20 @@ def test_the_launch_refuses_a_gluon_config_on_the_cpu() -> None:
 def test_what_ships_is_unchanged_and_the_bench_names_the_new_kernel() -> None:
     """gluon_ws is selectable by name (engine.bench_mla's --check / --kernels), not picked by the table."""
     bench = pytest.importorskip("engine.bench_mla")
-    assert all(cfg.kernel != "gluon_ws" for table in mta.CONFIGS.values() for cfg in table.values())
+    assert all(cfg.kernel not in ("gluon_ws", "gluon_tma") for table in mta.CONFIGS.values() for cfg in table.values())
     for cfg in bench.NAMED.values():  # every name the bench takes launches on an H200
         mta.rows_kernel(cfg, (9, 0), torch.bfloat16)
-    assert bench.NAMED["gluon_ws"].kernel == "gluon_ws"
+    assert bench.NAMED["gluon_ws"].kernel == "gluon_ws" and bench.NAMED["gluon_tma"].kernel == "gluon_tma"
+
+
+def test_gluon_tma_takes_the_cache_as_descriptors_of_key_blocks() -> None:
+    """The TMA kernel's cache arguments: 2-D descriptors over [batch * S, D], one key block a tile;
+    the other kernels take the tensors."""
+    kv, kr = torch.zeros(2, 128, 512, dtype=torch.bfloat16), torch.zeros(2, 128, 64, dtype=torch.bfloat16)
+    dc, dr = mta.key_args(mta.Config("gluon_tma", 64, 64, 8, 1), kv, kr)
+    assert (list(dc.shape), dc.block_shape, list(dr.shape), dr.block_shape) == ([256, 512], [64, 512], [256, 64], [64, 64])
+    assert dc.layout == mla_gluon_tma.KEY_LAYOUT
+    assert mta.key_args(mta.Config("gluon", 64, 64, 8, 1), kv, kr) == (kv, kr)
 
 
 def compile_sm90(fn, causal: bool, one_split: bool, warps: int):  # type: ignore[no-untyped-def]
@@ -62,24 +75,30 @@ def compile_sm90(fn, causal: bool, one_split: bool, warps: int):  # type: ignore
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig = {k: "*bf16" for k in ("qn_ptr", "qr_ptr", "ckv_ptr", "kpe_ptr")}
+    if fn is mla_gluon_tma.mla_rows_sm90_tma:  # the cache as TMA descriptors (key_args)
+        lay = "NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)"
+        sig = {"qn_ptr": "*bf16", "qr_ptr": "*bf16", "c_desc": f"tensordesc<bf16[64, 512],{lay}>",
+               "kp_desc": f"tensordesc<bf16[64, 64],{lay}>"}
     sig |= {"ctx_ptr": "*i64", "mask_ptr": "*i8", "o_ptr": "*bf16" if one_split else "*fp32", "lse_ptr": "*fp32",
             "qk_scale": "fp32", "T": "i32", "S": "i32", "chunk": "i32", "n_splits": "i32"}
     consts = {"H": 8, "DL": 512, "DR": 64, "BM": 64, "BN": 64, "CAUSAL": causal, "ONE_SPLIT": one_split}
     sig |= {k: "constexpr" for k in consts}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}  # the pointers, as the JIT sees torch's
+    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if i < 8 and k.endswith("_ptr")}  # as the JIT sees torch's
     return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": 1})
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("one_split", [True, False])
-@pytest.mark.parametrize("name", ["gluon", "gluon_ws"])
+@pytest.mark.parametrize("name", ["gluon", "gluon_ws", "gluon_tma"])
 def test_the_gluon_kernels_build_for_sm90_within_shared_memory(name: str, causal: bool, one_split: bool) -> None:
-    mod = mla_gluon if name == "gluon" else mla_gluon_ws
-    fn = mod.mla_rows_sm90 if name == "gluon" else mod.mla_rows_sm90_ws
+    mod = {"gluon": mla_gluon, "gluon_ws": mla_gluon_ws, "gluon_tma": mla_gluon_tma}[name]
+    fn = {"gluon": mla_gluon.mla_rows_sm90, "gluon_ws": mla_gluon_ws.mla_rows_sm90_ws, "gluon_tma": mla_gluon_tma.mla_rows_sm90_tma}[name]
     k = compile_sm90(fn, causal, one_split, mod.NUM_WARPS.value)
     assert k.asm["cubin"] and ".target sm_90a" in k.asm["ptx"]
     assert 0 < k.metadata.shared <= SM90_SHARED_BYTES
     assert k.metadata.num_warps == 8  # the warp-specialized kernel: 4 + a worker warpgroup of 4
     if name == "gluon_ws":  # the softmax overlaps the tensor cores only if the two are separate partitions
         assert "setmaxnreg" in k.asm["ptx"] and "wgmma.mma_async" in k.asm["ptx"]
+    if name == "gluon_tma":  # the key blocks by bulk tensor copies: latent and rope, both stages
+        assert k.asm["ptx"].count("cp.async.bulk.tensor") == 4 and "mbarrier.try_wait" in k.asm["ptx"]
