@@ -11,13 +11,14 @@ tile stops at its last token's own key. Splits of the key range are planned on t
 alone (no sync) to fill the chip; a combine kernel merges them by log-sum-exp in a fixed order, so
 results do not depend on scheduling. T = 1 with mask [[True]] is plain decode through the same path.
 Two kernels compute this: `_mla_rows` here (tl.dot; every GPU and the CPU interpreter) and, on
-sm_90, mla_gluon.py's (the same programs with the MMA layouts written out); `CONFIGS` picks.
+sm_90, mla_gluon.py's (the same programs with the MMA layouts written out, key blocks by TMA);
+`CONFIGS` picks.
 """
 
 from __future__ import annotations
 
 from functools import cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -25,6 +26,8 @@ import triton.language as tl
 from torch import Tensor
 
 try:  # Gluon (triton.experimental) ships with Triton 3.6; without it the tl.dot kernel runs everywhere
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     from kernels import mla_gluon
 except ImportError:
     mla_gluon = None
@@ -174,6 +177,26 @@ def gluon_runs(cap: tuple[int, int] | None, dtype: torch.dtype) -> bool:
     return mla_gluon is not None and cap == (9, 0) and dtype == torch.bfloat16
 
 
+def rows_kernel(cfg: Config, cap: tuple[int, int] | None, dtype: torch.dtype) -> Any:
+    """The row kernel `cfg` names, after checking it can run these inputs with these tiles."""
+    if cfg.kernel == "triton":
+        return _mla_rows
+    if cfg.kernel != "gluon":
+        raise ValueError(f"mla_tree_attention: unknown kernel {cfg.kernel!r} (triton, gluon)")
+    if not (gluon_runs(cap, dtype) and (cfg.bm, cfg.bn, cfg.warps) == (64, 64, mla_gluon.NUM_WARPS.value)):
+        raise ValueError(f"mla_tree_attention: {cfg} needs Gluon, an sm_90 GPU, bf16 and BM = BN = 64, 8 warps")
+    return mla_gluon.mla_rows_sm90
+
+
+def key_args(cfg: Config, ckv: Tensor, kpe: Tensor) -> tuple[Any, Any]:
+    """The cache as the row kernel takes it: tensors, or for the Gluon kernel TMA descriptors of key
+    blocks over the flattened [batch * S, D] cache."""
+    if cfg.kernel != "gluon":
+        return ckv, kpe
+    return tuple(TensorDescriptor.from_tensor(x.view(-1, x.shape[-1]), [cfg.bn, x.shape[-1]], mla_gluon.KEY_LAYOUT)
+                 for x in (ckv, kpe))
+
+
 def plan_splits(tiles: int, s: int, bn: int, sms: int) -> tuple[int, int]:
     """(splits, keys per split) for `tiles` row tiles over an `s`-key cache, from host-known sizes.
 
@@ -211,9 +234,7 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
         raise ValueError("mla_tree_attention: a tree mask is needed unless causal=True")
     rows, cap = t * hh, capability(q_nope.device)
     cfg = config or pick_config(cap, rows, q_nope.dtype)
-    if cfg.kernel == "gluon" and not (gluon_runs(cap, q_nope.dtype) and (cfg.bm, cfg.bn, cfg.warps) ==
-                                      (64, 64, mla_gluon.NUM_WARPS.value)):
-        raise ValueError(f"mla_tree_attention: {cfg} needs Gluon, an sm_90 GPU, bf16 and BM = BN = 64, 8 warps")
+    kernel = rows_kernel(cfg, cap, q_nope.dtype)
     tiles = triton.cdiv(rows, cfg.bm)
     if splits is None:
         n_splits, chunk = plan_splits(bt * tiles, s, cfg.bn, sm_count(q_nope.device))
@@ -230,8 +251,7 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
     else:
         part = torch.empty(bt * rows, n_splits, dl, dtype=torch.float32, device=qn.device)
         lse = torch.empty(bt * rows, n_splits, dtype=torch.float32, device=qn.device)
-    kernel = mla_gluon.mla_rows_sm90 if cfg.kernel == "gluon" else _mla_rows
-    kernel[(tiles, n_splits, bt)](qn, qr, ckv, kpe, ctx_lens, mask, part, lse,
+    kernel[(tiles, n_splits, bt)](qn, qr, *key_args(cfg, ckv, kpe), ctx_lens, mask, part, lse,
                                   sm_scale * LOG2E, t, s, chunk, n_splits,
                                   H=hh, DL=dl, DR=dr, BM=cfg.bm, BN=cfg.bn, CAUSAL=causal, ONE_SPLIT=one,
                                   num_warps=cfg.warps, num_stages=cfg.stages)
