@@ -148,8 +148,8 @@ class Store:
             raise StoreError(f"run {run_id} of {host}: {e}") from None
         info = run_info(host, run_id, tables)
         parts = {name: parquet_bytes(tables[name]) for name in tables}
-        same = self._same_run(host, run_id, parts)
-        if same is not None and ingested_at is None:   # nothing new arrived: the stored run stays, byte for byte
+        same = self._same_run(host, run_id, parts) if ingested_at is None else None
+        if same is not None:   # nothing new arrived: the stored run stays, byte for byte
             return same.info()
         info.ingested_at = datetime.now(timezone.utc).isoformat(timespec="microseconds") \
             if ingested_at is None else ingested_at
@@ -169,8 +169,6 @@ class Store:
 
     def _same_run(self, host: str, run_id: str, parts: dict[str, bytes]) -> Manifest | None:
         """The stored manifest of this run when it holds exactly these table files (by digest), else None."""
-        if not self.exists(self.full(manifest_path(host, run_id))):
-            return None
         try:
             m = self.manifest(host, run_id)
         except StoreError:
