@@ -67,8 +67,8 @@ def edges(ratios: Sequence[float], groups: Sequence[object] | None = None,
           coverage: float = COVERAGE) -> tuple[float, float] | None:
     """(low, high) edges of measured/predicted ratios (module doc); None under MIN_POINTS points or
     under two groups. Points of one group (the acceptance levels of one configuration) are one piece
-    of evidence: the edges of the groups' mean log ratios, plus the edges of the points' deviations
-    from their group's mean."""
+    of evidence: the edges of the groups' mean log ratios, combined in quadrature with the edges of
+    the points' deviations from their group's mean."""
     if len(ratios) < MIN_POINTS:
         return None
     groups = list(groups) if groups is not None else list(range(len(ratios)))
