@@ -148,7 +148,8 @@ class Store:
             raise StoreError(f"run {run_id} of {host}: {e}") from None
         info = run_info(host, run_id, tables)
         parts = {name: parquet_bytes(tables[name]) for name in tables}
-        same = self._same_run(host, run_id, parts) if ingested_at is None else None
+        digests = {name: hashlib.sha256(data).hexdigest() for name, data in parts.items()}
+        same = self._same_run(host, run_id, digests) if ingested_at is None else None
         if same is not None:   # nothing new arrived: the stored run stays, byte for byte
             return same.info()
         info.ingested_at = datetime.now(timezone.utc).isoformat(timespec="microseconds") \
@@ -157,8 +158,7 @@ class Store:
         for name in sorted(tables, key=lambda t: (t == "runs", t)):  # the runs table last: reindex relies on it
             rel = part_path(name, host, run_id)
             self.write_bytes(rel, parts[name])
-            files[name] = StoredFile(path=rel, sha256=hashlib.sha256(parts[name]).hexdigest(),
-                                     rows=tables[name].num_rows)
+            files[name] = StoredFile(path=rel, sha256=digests[name], rows=tables[name].num_rows)
         manifest = Manifest(**info.model_dump(), files=files, migrated_from=migrated_from or {})
         self._write_manifest(manifest)
         for name in set(TABLES) - set(tables):  # a re-ingest with fewer tables leaves no stale partition
@@ -167,13 +167,12 @@ class Store:
                 self.fs.delete_dir(leaf)
         return info
 
-    def _same_run(self, host: str, run_id: str, parts: dict[str, bytes]) -> Manifest | None:
-        """The stored manifest of this run when it holds exactly these table files (by digest), else None."""
+    def _same_run(self, host: str, run_id: str, digests: dict[str, str]) -> Manifest | None:
+        """The stored manifest of this run when it holds exactly the table files of these sha256 digests, else None."""
         try:
             m = self.manifest(host, run_id)
         except StoreError:
             return None
-        digests = {name: hashlib.sha256(data).hexdigest() for name, data in parts.items()}
         return m if {name: f.sha256 for name, f in m.files.items()} == digests else None
 
     def _write_manifest(self, m: Manifest) -> None:
