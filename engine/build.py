@@ -5,7 +5,9 @@ the Triton cache is warm before anything is timed) and is compared with its PyTo
 a few of them: status "ok" or "mismatch" (with the largest error over those shapes: the norm
 relative error ||got - want|| / ||want|| for the tensor kernels, 0 or 1 for the bit-exact tree
 kernels), "reference" where no
-Triton kernel exists (the engine then runs the reference), "error" when it raised. On the CPU
+Triton kernel exists (the engine then runs the reference), "error" when it raised. The CUDA MoE
+also runs, here, what each other arch would run under its own shared-memory limit where that
+differs (`arch_checks`; build.json's `moe_w4a16.arches`), which never fails this host's build. On the CPU
 (`--arch cpu`): the references run at the CPU bench shapes, status "reference".
 Writes DIR/build.json; exit 0 when nothing mismatched or failed, 1 otherwise, 2 on a wrong arch.
 """
@@ -23,9 +25,10 @@ import torch
 
 from engine import bench_e2e, bench_kernels
 from engine.bench_kernels import KernelBench, KernelProfile
-from engine.config import SHARD_TP, ModelConfig
+from engine.config import SHARD_TP
 from engine.env import UsageError, check_arch, facts, fail, now_iso
 from kernels import ops
+from kernels.moe_configs import ARCH_SMEM_OPTIN
 
 ARCHES = ("sm_90", "sm_100", "sm_103", "sm_120", "cpu")
 MODULES = {"moe_w4a16": "moe_gemm", "mla_tree_attention": "mla_tree_attention",
@@ -131,9 +134,11 @@ def check(name: str, runs: list[tuple[Callable[[str], Any], bool]], kb: KernelBe
             "shapes": len(runs)}
 
 
-def moe_cuda_build(device: torch.device, cfg: ModelConfig) -> dict[str, Any]:
+def moe_cuda_build(device: torch.device, kb: KernelBench) -> dict[str, Any]:
     """Which MoE kernel this host runs, and why: the CUDA C++ one needs the host's nvcc, and each M
-    bucket's configs must fit this device (per bucket and shape: the full experts and one rank's shard)."""
+    bucket's configs must fit this device (per bucket and shape: the full experts and one rank's shard);
+    and what each other arch would run, checked here (`arch_checks`)."""
+    cfg = kb.p.cfg
     cuda = ops.kernel_module("moe_cuda")
     reason = "kernels.moe_cuda does not import" if cuda is None else cuda.unavailable_reason(device)
     if reason is not None:
@@ -150,10 +155,66 @@ def moe_cuda_build(device: torch.device, cfg: ModelConfig) -> dict[str, Any]:
             print(f"moe_w4a16 {r['shape']} M <= {r['bucket_max_m']}: {r['impl']} "
                   f"(gate_up: {r['gate_up']['reason']}; down: {r['down']['reason']})")
     impls = sorted({r["impl"] for r in buckets})
-    return {"impl": ", ".join(impls), "nvcc": nvcc, "cuda_arch": arch,
+    arches = arch_checks(kb, device, arch)
+    for other, r in arches.items():
+        print(f"moe_w4a16 as {other} would run it ({r['smem_per_block']:,} bytes a block): {r['status']}"
+              + (f" (rel_err {r['rel_err']:.2e} over {len(r['checked'])} M)" if r.get("rel_err") is not None else "")
+              + (f"; {r['same_as_here']} M run what this device runs" if "same_as_here" in r else "")
+              + (f"; {r['detail']}" if "detail" in r else ""))
+    return {"impl": ", ".join(impls), "nvcc": nvcc, "cuda_arch": arch, "arches": arches,
             "limits": {"smem_per_block": limits.smem_per_block, "smem_lowered_from": limits.lowered_from,
                        "regs_per_block": limits.regs_per_block, "regs_per_sm": limits.regs_per_sm},
             "buckets": buckets}
+
+
+def arch_checks(kb: KernelBench, device: torch.device, here: str) -> dict[str, dict[str, Any]]:
+    """What the MoE would run on each other arch the inventory may name (its table under its shared-memory
+    opt-in), run on this device wherever it differs from this device's own choice and compared with the
+    reference at the smallest and largest bench M of each such bucket: a config that fits only the
+    machine it was tuned on, or a fallback that computes wrongly, shows here before a host of that arch
+    runs it."""
+    cuda = ops.kernel_module("moe_cuda")
+    index, cfg = device.index or 0, kb.p.cfg
+    own = cuda.device_limits(index).smem_per_block
+    out: dict[str, dict[str, Any]] = {}
+    for arch in (a for a in ARCHES if a not in ("cpu", here)):
+        smem = ARCH_SMEM_OPTIN[arch]
+        if smem > own:
+            out[arch] = {"status": "not checkable here", "smem_per_block": smem,
+                         "detail": f"needs more shared memory a block than this device's {own:,}"}
+            continue
+        worst, runs, same = 0.0, [], 0
+        try:
+            for tp, ms in ((1, kb.p.moe_m), (SHARD_TP, kb.p.moe_tp_m)):
+                inter = cfg.moe_inter // tp
+                differ: dict[Any, list[int]] = {}
+                for m in ms:
+                    c, mine = cuda.choice(m, inter, cfg.hidden, index, arch), cuda.choice(m, inter, cfg.hidden, index)
+                    if c.cuda and mine.cuda and c.configs == mine.configs:
+                        same += 1
+                    else:
+                        differ.setdefault(c, []).append(m)
+                for c, at in differ.items():
+                    for m in sorted({at[0], at[-1]}):
+                        err = _arch_run(kb, cuda, c, m, tp)
+                        worst = max(worst, err)
+                        runs.append({**c.record(cfg.hidden, inter), "m": m, "rel_err": err})
+        except Exception as e:  # report; this host's own check stands
+            traceback.print_exc()
+            out[arch] = {"status": "error", "smem_per_block": smem, "detail": f"{type(e).__name__}: {e}"[:300]}
+            continue
+        out[arch] = {"status": "ok" if worst <= TOL["moe_w4a16"] else "mismatch", "smem_per_block": smem,
+                     "rel_err": worst if runs else None, "same_as_here": same, "checked": runs}
+    return out
+
+
+def _arch_run(kb: KernelBench, cuda: Any, c: Any, m: int, tp: int) -> float:
+    """One M under another arch's choice `c` (its CUDA configs, else Triton), against the reference."""
+    kb.reseed()
+    x, ids, tw = kb.moe_inputs(m)
+    w = kb.moe_weights(tp)
+    got = cuda.moe_w4a16(x, *w, ids, tw, configs=c.configs) if c.cuda else ops.moe_w4a16(x, *w, ids, tw, impl="triton")
+    return rel_err(got, ops.moe_w4a16(x, *w, ids, tw, impl="torch"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     started = now_iso()
     device = torch.device("cuda", 0) if f["device"] == "cuda" else torch.device("cpu")
     kb = KernelBench(bench_kernels.PROFILES[(device.type, "full")], device)
-    moe_build = moe_cuda_build(device, kb.p.cfg) if device.type == "cuda" else {}
+    moe_build = moe_cuda_build(device, kb) if device.type == "cuda" else {}
     kernels = {name: check(name, runs, kb) for name, runs in cases(kb, device).items()}
     kernels["moe_w4a16"].update(moe_build)
     body = {"arch_asked": a.arch, "device_found": {k: f[k] for k in ("device", "arch_found", "gpu_name", "gpu_count")},

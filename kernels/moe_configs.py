@@ -162,6 +162,12 @@ H200: Table = {
 # against its own limits like every other.
 CUDA_CONFIGS: dict[str, Table] = {"sm_90": H200, DEFAULT: H200}
 
+# The per-block shared-memory opt-in of each arch the inventory may name (bytes; the CUDA C++
+# Programming Guide's technical specifications per compute capability: 227 KB on 9.0 and 10.x, 99 KB
+# on 12.0). `engine.build` runs, on the device it has, what each arch's table would run under its
+# limit, so a config that fits only the tuning machine is caught before it ships.
+ARCH_SMEM_OPTIN: dict[str, int] = {"sm_90": 232448, "sm_100": 232448, "sm_103": 232448, "sm_120": 101376}
+
 # The kernels the shipped build of moe_w4a16.cu instantiates (cuda_prelude): exactly those the tables pick.
 KERNELS = frozenset(p.kernel for table in CUDA_CONFIGS.values() for cls in table.values()
                     for b in cls.values() for p in (b.gate_up, b.down))

@@ -20,6 +20,7 @@ one runs and why.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from functools import cache
@@ -30,7 +31,7 @@ import triton
 from torch import Tensor
 
 from kernels import cuda_build
-from kernels.moe_configs import (KERNELS, SWEEP_KERNELS, Bucket, Choice, DeviceLimits, KernelResources, PassConfig,
+from kernels.moe_configs import (ARCH_SMEM_OPTIN, KERNELS, SWEEP_KERNELS, Bucket, Choice, DeviceLimits, KernelResources, PassConfig,
                                  bucket_of, choose, cuda_prelude, misfit, table_for)
 from kernels.moe_gemm import shape_class
 
@@ -68,17 +69,23 @@ def kernel_resources(index: int, name: str) -> KernelResources:
 
 
 @cache
-def bucket_choice(index: int, inter: int, hidden: int, bucket: int) -> Choice:
-    """What M bucket `bucket` runs on device `index` for experts [2 inter, hidden] / [hidden, inter]."""
-    key, _ = table_for(device_limits(index).arch)
-    return choose(key, shape_class(inter), bucket, 2 * inter, hidden, hidden, inter, device_limits(index),
+def bucket_choice(index: int, inter: int, hidden: int, bucket: int, arch: str | None = None) -> Choice:
+    """What M bucket `bucket` runs on device `index` for experts [2 inter, hidden] / [hidden, inter].
+    With `arch`: what it would run on a device of that arch (its table, its shared-memory opt-in from
+    ARCH_SMEM_OPTIN), judged with this device's registers and compiled kernels, so that another arch's
+    choice can run here before a host of that arch runs it."""
+    limits = device_limits(index)
+    if arch is not None:
+        limits = dataclasses.replace(limits, arch=arch, smem_per_block=ARCH_SMEM_OPTIN[arch], lowered_from=None)
+    key, _ = table_for(limits.arch)
+    return choose(key, shape_class(inter), bucket, 2 * inter, hidden, hidden, inter, limits,
                   lambda name: kernel_resources(index, name))
 
 
-def choice(m: int, inter: int, hidden: int, index: int) -> Choice:
-    """What M = m runs on device `index` (its bucket's choice)."""
-    _, table = table_for(device_limits(index).arch)
-    return bucket_choice(index, inter, hidden, bucket_of(table[shape_class(inter)], m))
+def choice(m: int, inter: int, hidden: int, index: int, arch: str | None = None) -> Choice:
+    """What M = m runs on device `index` (its bucket's choice), or would run on an `arch` device."""
+    _, table = table_for(arch or device_limits(index).arch)
+    return bucket_choice(index, inter, hidden, bucket_of(table[shape_class(inter)], m), arch)
 
 
 def bucket_records(device: torch.device, inter: int, hidden: int) -> list[dict[str, object]]:

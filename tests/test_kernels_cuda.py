@@ -256,6 +256,41 @@ def test_impl_and_build_record_say_which_kernel_runs_and_why(fake_device) -> Non
     assert moe_cuda.bucket_records(torch.device("cuda", 0), 2048, 7168)[1]["impl"] == "triton"
 
 
+def test_engine_build_runs_each_other_arch_choice_where_it_differs_from_this_devices(
+        fake_device, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """On an H200 the build runs what sm_120 would run (its 101,376-byte opt-in: the 16-slot fallbacks
+    above M = 512) at the first and last bench M of each differing choice, nothing for sm_100 / sm_103
+    (the same picks fit), and says a larger arch cannot be checked on a smaller device; a wrong result
+    under another arch's choice is a mismatch there."""
+    from engine import bench_kernels, build
+
+    fake_device(SM90)
+    runs: list[tuple[int, int, str]] = []
+    err = {"value": 3e-3}
+
+    def run(kb, cuda, c, m, tp):  # noqa: ANN001, ANN202 - records instead of launching
+        runs.append((tp, m, c.gate_up.config.kernel))
+        return err["value"]
+
+    monkeypatch.setattr(build, "_arch_run", run)
+    kb = type("KB", (), {"p": bench_kernels.PROFILES["cuda", "full"]})()
+    got = build.arch_checks(kb, torch.device("cuda", 0), "sm_90")
+    assert got["sm_100"] == got["sm_103"] == {"status": "ok", "smem_per_block": 232448, "rel_err": None,
+                                              "same_as_here": 26, "checked": []}
+    sm120 = got["sm_120"]
+    assert sm120["status"] == "ok" and sm120["rel_err"] == 3e-3 and sm120["same_as_here"] == 26 - 6
+    assert runs == [(1, 1024, "moe_w4a16_nt2_w4_r4_s2_h1_a16_sc0"), (1, 4096, "moe_w4a16_nt2_w4_r4_s2_h1_a16_sc0"),
+                    (8, 1024, "moe_w4a16_nt2_w4_r2_s2_h1_a16_sc1"), (8, 4096, "moe_w4a16_nt2_w4_r2_s2_h1_a16_sc1")]
+    assert [r["m"] for r in sm120["checked"]] == [1024, 4096, 1024, 4096]
+    assert "over this device's 101,376" in sm120["checked"][0]["gate_up"]["reason"]
+    err["value"] = 0.5
+    assert build.arch_checks(kb, torch.device("cuda", 0), "sm_90")["sm_120"]["status"] == "mismatch"
+    fake_device(SM120)
+    on_120 = build.arch_checks(kb, torch.device("cuda", 0), "sm_120")
+    assert {a: r["status"] for a, r in on_120.items()} == dict.fromkeys(("sm_90", "sm_100", "sm_103"),
+                                                                        "not checkable here")
+
+
 def test_ops_names_the_impl_that_runs() -> None:
     x = torch.zeros(4, 64)
     w13, w2 = torch.zeros(8, 32, 8, dtype=torch.int32), torch.zeros(8, 64, 2, dtype=torch.int32)
