@@ -50,10 +50,11 @@ class Config(NamedTuple):
 
 # Configs keyed by CUDA capability; None is the default (other GPUs and the CPU interpreter). Each
 # entry maps a row class to its Config: "small" when a sequence has at most 16 query rows (decode
-# at TP-8), "rows" otherwise. The sm_90 "rows" pick is the faster of the two kernels at every shape
-# timed (kernels/NOTES.md section 2); the "small" configs are checked on the GPU but not yet timed.
+# at TP-8), "rows" otherwise. The sm_90 "rows" pick is the fastest kernel at all but three shapes
+# timed, latency-bound ones of a few microseconds (kernels/NOTES.md section 2); the "small" configs
+# are checked on the GPU but not yet timed.
 CONFIGS: dict[tuple[int, int] | None, dict[str, Config]] = {
-    (9, 0): {"rows": Config("gluon", 64, 64, 8, 1), "small": Config("triton", 16, 64, 4, 3)},
+    (9, 0): {"rows": Config("gluon_ws", 64, 64, 4, 1), "small": Config("triton", 16, 64, 4, 3)},
     None: {"rows": Config("triton", 64, 64, 8, 2), "small": Config("triton", 16, 64, 4, 2)},
 }
 # Split planner's cost model, in units of one key block's time for one row tile: a program's fixed

@@ -59,7 +59,7 @@ def test_every_kernel_the_table_and_the_bench_name_launches_on_an_h200() -> None
     bench = pytest.importorskip("engine.bench_mla")
     for cfg in [*bench.NAMED.values(), *mta.CONFIGS[(9, 0)].values()]:
         mta.rows_kernel(cfg, (9, 0), torch.bfloat16)
-    assert mta.CONFIGS[(9, 0)]["rows"].kernel == "gluon"
+    assert mta.CONFIGS[(9, 0)]["rows"].kernel == "gluon_ws"
 
 
 def test_the_gluon_kernel_takes_the_cache_as_descriptors_of_key_blocks() -> None:
