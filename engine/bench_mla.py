@@ -60,7 +60,7 @@ CONFIG_SWEEP = [C("triton", 64, 128, 8, 1), C("triton", 64, 32, 8, 3)]  # beside
 SMALL_SWEEP = [C("triton", 16, 64, 4, 3), C("triton", 16, 64, 4, 2), C("triton", 16, 32, 4, 3),
                C("triton", 64, 64, 8, 2), C("gluon", 64, 64, 8, 1)]
 # The kernels --kernels names: the table's pick, each kernel at its main config, an older file's kernel
-NAMED = {"triton": C("triton", 64, 64, 8, 2), "gluon": C("gluon", 64, 64, 8, 1)}
+NAMED = {"triton": C("triton", 64, 64, 8, 2), "gluon": C("gluon", 64, 64, 8, 1), "gluon_ws": C("gluon_ws", 64, 64, 4, 1)}
 SWEEP_SHAPES = [(8, 8, 256, 16384), (64, 8, 64, 16384), (8, 16, 16, 32768), (8, 1, 16, 65536)]
 DECODE_SHAPES = [(8, 1, 0, 16384), (8, 16, 0, 32768), (64, 16, 0, 32768)]  # budget 0: T = 1, plain decode
 SPLIT_SHAPES = [(8, 1, 16, 4096), (8, 1, 16, 65536), (8, 8, 16, 16384), (64, 1, 16, 16384), (8, 16, 16, 4096)]
@@ -253,8 +253,8 @@ def main() -> None:
     ap.add_argument("--flashmla", type=Path, help="FlashMLA's figures (shared/data/mla-flashmla-h200.csv)")
     ap.add_argument("--baseline", type=Path, help="an older kernels/mla_tree_attention.py to time beside this one")
     ap.add_argument("--kernels", default="auto", help="comma list for the grid: auto (the table's pick), "
-                    "triton, gluon (each at its main config), baseline (--baseline's kernel); none: no grid")
-    ap.add_argument("--check", default="auto", help="comma list of configs to check: auto, triton, gluon; none")
+                    "triton, gluon, gluon_ws (each at its main config), baseline (--baseline's kernel); none: no grid")
+    ap.add_argument("--check", default="auto", help="comma list of configs to check: auto, triton, gluon, gluon_ws; none")
     ap.add_argument("--sweep", action="store_true", help="also time tile configs and split counts")
     ap.add_argument("--deadline-s", type=float, default=480, help="stop timing when this runs out")
     ap.add_argument("--once", metavar="KERNEL:H,B,N,C", help="only run one named kernel twice at heads H, batch "

@@ -29,7 +29,7 @@ KEY_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, r
 
 
 @gluon.jit
-def _issue(c_desc, kp_desc, c_dst, kp_dst, bar, row):
+def issue(c_desc, kp_desc, c_dst, kp_dst, bar, row):
     """TMA of keys row .. row + BN - 1 of the flattened cache into one stage, completing on `bar`."""
     mbarrier.expect(bar, c_desc.block_type.nbytes + kp_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(c_desc, [row, 0], bar, c_dst)
@@ -37,10 +37,10 @@ def _issue(c_desc, kp_desc, c_dst, kp_dst, bar, row):
 
 
 @gluon.jit
-def _zero_past(c_s, valid, BN: gl.constexpr, DL: gl.constexpr):
-    """Latent rows `valid` .. BN - 1 of a landed stage set to zero (16-row chunks: few registers)."""
+def zero_past(c_s, valid, BN: gl.constexpr, DL: gl.constexpr, WARPS: gl.constexpr):
+    """Latent rows `valid` .. BN - 1 of a landed stage set to zero by WARPS warps (16-row chunks: few registers)."""
     CH: gl.constexpr = 16
-    LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
     for k in gl.static_range(BN // CH):
         part = c_s.slice(k * CH, CH, dim=0)
         r = k * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, LD))
@@ -113,7 +113,7 @@ def mla_rows_sm90(qn_ptr, qr_ptr, c_desc, kp_desc, ctx_ptr, mask_ptr, o_ptr, lse
     start, end, prefix_end, n_blocks = key_range(pid_m, pid_s, ctx, T, S, chunk, H, BM, BN, CAUSAL)
     base = b * S  # this sequence's first row in the flattened cache
     if n_blocks > 0:
-        _issue(c_desc, kp_desc, c_buf.index(0), kp_buf.index(0), ready.index(0), base + start)
+        issue(c_desc, kp_desc, c_buf.index(0), kp_buf.index(0), ready.index(0), base + start)
     cp.wait_group(0)
     fence_async_shared()
     gl.thread_barrier()  # every thread's query copies landed
@@ -129,10 +129,10 @@ def mla_rows_sm90(qn_ptr, qr_ptr, c_desc, kp_desc, ctx_ptr, mask_ptr, o_ptr, lse
         mbarrier.wait(ready.index(st), (j // 2) & 1)  # block j landed
         gl.thread_barrier()  # every warpgroup is done with block j - 1 (its stage is refilled next) and P
         if j + 1 < n_blocks:  # into the stage block j - 1 held, in flight while block j is computed
-            _issue(c_desc, kp_desc, c_buf.index(1 - st), kp_buf.index(1 - st), ready.index(1 - st), base + n0 + BN)
+            issue(c_desc, kp_desc, c_buf.index(1 - st), kp_buf.index(1 - st), ready.index(1 - st), base + n0 + BN)
         c_s = c_buf.index(st)
         if n0 + BN > end:  # the block holding `end`: what lies past it is not this sequence's keys
-            _zero_past(c_s, end - n0, BN, DL)
+            zero_past(c_s, end - n0, BN, DL, NUM_WARPS)
         s = warpgroup_mma(q_n, c_s.permute((1, 0)), gl.zeros([BM, BN], gl.float32, S_L), is_async=True)
         s = warpgroup_mma(q_r, kp_buf.index(st).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s]) * qk_scale

@@ -10,8 +10,9 @@ with no mask and no bounds; only the blocks from the last whole prefix block on 
 tile stops at its last token's own key. Splits of the key range are planned on the host from sizes
 alone (no sync) to fill the chip; a combine kernel merges them by log-sum-exp in a fixed order, so
 results do not depend on scheduling. T = 1 with mask [[True]] is plain decode through the same path.
-Two kernels compute this: `_mla_rows` here (tl.dot; every GPU and the CPU interpreter) and, on
-sm_90, mla_gluon.py's (the same programs with the MMA layouts written out, key blocks by TMA);
+Three kernels compute this: `_mla_rows` here (tl.dot; every GPU and the CPU interpreter) and, on
+sm_90, mla_gluon.py's (the same programs with the MMA layouts written out, key blocks by TMA) and
+mla_gluon_ws.py's (the same programs, two warpgroups out of phase, FlashMLA's schedule);
 `CONFIGS` picks.
 """
 
@@ -28,16 +29,17 @@ from torch import Tensor
 try:  # Gluon (triton.experimental) ships with Triton 3.6; without it the tl.dot kernel runs everywhere
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from kernels import mla_gluon
+    from kernels import mla_gluon, mla_gluon_ws
 except ImportError:
-    mla_gluon = None
+    mla_gluon = mla_gluon_ws = None
 
 LOG2E = 1.4426950408889634  # scores go through exp2
 
 
 class Config(NamedTuple):
     """A tile config: which kernel ("triton": tl.dot, any backend and the interpreter; "gluon": the
-    sm_90 kernel of mla_gluon.py, bf16, BM = BN = 64, 8 warps), its row and key tiles, warps, stages."""
+    sm_90 kernel of mla_gluon.py, bf16, BM = BN = 64, 8 warps; "gluon_ws": mla_gluon_ws.py's, bf16,
+    BM = BN = 64, 4 warps a warpgroup), its row and key tiles, warps, stages."""
 
     kernel: str
     bm: int
@@ -48,10 +50,11 @@ class Config(NamedTuple):
 
 # Configs keyed by CUDA capability; None is the default (other GPUs and the CPU interpreter). Each
 # entry maps a row class to its Config: "small" when a sequence has at most 16 query rows (decode
-# at TP-8), "rows" otherwise. The sm_90 "rows" pick is the faster of the two kernels at every shape
-# timed (kernels/NOTES.md section 2); the "small" configs are checked on the GPU but not yet timed.
+# at TP-8), "rows" otherwise. The sm_90 "rows" pick is the fastest kernel at all but three shapes
+# timed, latency-bound ones of a few microseconds (kernels/NOTES.md section 2); the "small" configs
+# are checked on the GPU but not yet timed.
 CONFIGS: dict[tuple[int, int] | None, dict[str, Config]] = {
-    (9, 0): {"rows": Config("gluon", 64, 64, 8, 1), "small": Config("triton", 16, 64, 4, 3)},
+    (9, 0): {"rows": Config("gluon_ws", 64, 64, 4, 1), "small": Config("triton", 16, 64, 4, 3)},
     None: {"rows": Config("triton", 64, 64, 8, 2), "small": Config("triton", 16, 64, 4, 2)},
 }
 # Split planner's cost model, in units of one key block's time for one row tile: a program's fixed
@@ -173,7 +176,7 @@ def pick_config(cap: tuple[int, int] | None, rows: int, dtype: torch.dtype) -> C
 
 
 def gluon_runs(cap: tuple[int, int] | None, dtype: torch.dtype) -> bool:
-    """Whether the sm_90 Gluon kernel can run here: Gluon imported, a Hopper GPU, bf16 inputs."""
+    """Whether the sm_90 Gluon kernels can run here: Gluon imported, a Hopper GPU, bf16 inputs."""
     return mla_gluon is not None and cap == (9, 0) and dtype == torch.bfloat16
 
 
@@ -181,17 +184,19 @@ def rows_kernel(cfg: Config, cap: tuple[int, int] | None, dtype: torch.dtype) ->
     """The row kernel `cfg` names, after checking it can run these inputs with these tiles."""
     if cfg.kernel == "triton":
         return _mla_rows
-    if cfg.kernel != "gluon":
-        raise ValueError(f"mla_tree_attention: unknown kernel {cfg.kernel!r} (triton, gluon)")
-    if not (gluon_runs(cap, dtype) and (cfg.bm, cfg.bn, cfg.warps) == (64, 64, mla_gluon.NUM_WARPS.value)):
-        raise ValueError(f"mla_tree_attention: {cfg} needs Gluon, an sm_90 GPU, bf16 and BM = BN = 64, 8 warps")
-    return mla_gluon.mla_rows_sm90
+    if cfg.kernel not in ("gluon", "gluon_ws"):
+        raise ValueError(f"mla_tree_attention: unknown kernel {cfg.kernel!r} (triton, gluon, gluon_ws)")
+    gluon = mla_gluon if cfg.kernel == "gluon" else mla_gluon_ws
+    if not (gluon_runs(cap, dtype) and (cfg.bm, cfg.bn, cfg.warps) == (64, 64, gluon.NUM_WARPS.value)):
+        warps = "8 warps" if cfg.kernel == "gluon" else "4 warps a warpgroup"
+        raise ValueError(f"mla_tree_attention: {cfg} needs Gluon, an sm_90 GPU, bf16 and BM = BN = 64, {warps}")
+    return gluon.mla_rows_sm90 if cfg.kernel == "gluon" else gluon.mla_rows_sm90_ws
 
 
 def key_args(cfg: Config, ckv: Tensor, kpe: Tensor) -> tuple[Any, Any]:
-    """The cache as the row kernel takes it: tensors, or for the Gluon kernel TMA descriptors of key
+    """The cache as the row kernel takes it: tensors, or for the Gluon kernels TMA descriptors of key
     blocks over the flattened [batch * S, D] cache."""
-    if cfg.kernel != "gluon":
+    if cfg.kernel == "triton":
         return ckv, kpe
     return tuple(TensorDescriptor.from_tensor(x.view(-1, x.shape[-1]), [cfg.bn, x.shape[-1]], mla_gluon.KEY_LAYOUT)
                  for x in (ckv, kpe))

@@ -4,8 +4,8 @@ impl="auto" runs the fastest kernel this host has for the inputs: on a CUDA devi
 kernel where nvcc built it (kernels/moe_cuda.py), the MLA's Gluon kernel where its module picks it
 (kernels/mla_tree_attention.py: sm_90, bf16), else Triton where the kernel's module imports; the
 PyTorch reference otherwise. "cuda", "triton" and "torch" force one (tests use "triton" under
-TRITON_INTERPRET=1 on the CPU). The `*_impl` functions name the kernel a call runs ("cuda", "gluon",
-"triton" or "torch": the kernels table's impl column); each op dispatches through its own, so the
+TRITON_INTERPRET=1 on the CPU). The `*_impl` functions name the kernel a call runs ("cuda", "gluon_ws",
+"gluon", "triton" or "torch": the kernels table's impl column); each op dispatches through its own, so the
 column and the dispatch cannot disagree.
 """
 
@@ -72,8 +72,8 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
 
 
 def mla_impl(q_nope: Tensor, impl: Impl = "auto") -> str:
-    """The MLA kernel `impl` runs on these queries [Bt, T, H, DL]: "gluon" or "triton" (the tile
-    config kernels.mla_tree_attention picks for T x H rows on this device), or "torch"."""
+    """The MLA kernel `impl` runs on these queries [Bt, T, H, DL]: "gluon_ws", "gluon" or "triton" (the
+    tile config kernels.mla_tree_attention picks for T x H rows on this device), or "torch"."""
     if kernel_impl(impl, "mla_tree_attention", q_nope) == "torch":
         return "torch"
     mod = kernel_module("mla_tree_attention")

@@ -289,7 +289,7 @@ def test_auto_dispatch_is_the_reference_on_cpu() -> None:
 
 
 def test_mla_impl_names_the_kernel_the_dispatch_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The impl column of an MLA point says "gluon" where the launch runs the Gluon kernel: ops.mla_impl
+    """The impl column of an MLA point names the Gluon kernel where the launch runs it: ops.mla_impl
     reads the tile config the launch reads (on an sm_90 device with bf16 queries over 16 rows), and
     "triton" where that config is the tl.dot kernel's (16 rows or fewer, fp16, another GPU)."""
     from kernels import mla_tree_attention, ops
@@ -299,7 +299,7 @@ def test_mla_impl_names_the_kernel_the_dispatch_runs(monkeypatch: pytest.MonkeyP
     assert ops.mla_impl(q, "torch") == "torch"
     assert ops.mla_impl(q, "triton") == "triton"  # the interpreter: the default table
     monkeypatch.setattr(mla_tree_attention, "capability", lambda device: (9, 0))
-    assert ops.mla_impl(q, "triton") == "gluon"
+    assert ops.mla_impl(q, "triton") == "gluon_ws"
     assert ops.mla_impl(q[:, :4], "triton") == "triton"  # 16 rows: the small-row config
     assert ops.mla_impl(q.half(), "triton") == "triton"  # Gluon takes bf16 only
     monkeypatch.setattr(mla_tree_attention, "capability", lambda device: (12, 0))
