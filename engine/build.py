@@ -137,7 +137,9 @@ def check(name: str, runs: list[tuple[Callable[[str], Any], bool]], kb: KernelBe
 def moe_cuda_build(device: torch.device, kb: KernelBench) -> dict[str, Any]:
     """Which MoE kernel this host runs, and why: the CUDA C++ one needs the host's nvcc, and each M
     bucket's configs must fit this device (per bucket and shape: the full experts and one rank's shard);
-    and what each other arch would run, checked here (`arch_checks`)."""
+    how its launches are made: "c" through the host launcher (kernels/launch_chain.c, built by the
+    same nvcc), "ctypes" from Python where that did not build (with the reason); and what each other
+    arch would run, checked here (`arch_checks`)."""
     cfg = kb.p.cfg
     cuda = ops.kernel_module("moe_cuda")
     reason = "kernels.moe_cuda does not import" if cuda is None else cuda.unavailable_reason(device)
@@ -147,9 +149,12 @@ def moe_cuda_build(device: torch.device, kb: KernelBench) -> dict[str, Any]:
     from kernels import cuda_build
     nvcc, arch = cuda_build.nvcc_version(cuda_build.nvcc_path()), cuda_build.arch_of(device)
     limits = cuda.device_limits(device.index)
+    launcher, launcher_why = cuda_build.host_launcher()
     buckets = [r for tp in MOE_TP for r in cuda.bucket_records(device, cfg.moe_inter // tp, cfg.hidden)]
     print(f"moe_w4a16: CUDA kernel built for {arch} by nvcc {nvcc}; shared memory a block up to "
           f"{limits.smem_per_block:,} bytes" + (f" (lowered from {limits.lowered_from:,})" if limits.lowered_from else ""))
+    print("moe_w4a16: launches through the host launcher (launch_chain.c)" if launcher is not None else
+          f"moe_w4a16: launches from Python, one driver call a launch (host launcher unavailable: {launcher_why})")
     for r in buckets:
         if not r["table_pick"]:
             print(f"moe_w4a16 {r['shape']} M <= {r['bucket_max_m']}: {r['impl']} "
@@ -162,6 +167,8 @@ def moe_cuda_build(device: torch.device, kb: KernelBench) -> dict[str, Any]:
               + (f"; {r['same_as_here']} M run what this device runs" if "same_as_here" in r else "")
               + (f"; {r['detail']}" if "detail" in r else ""))
     return {"impl": ", ".join(impls), "nvcc": nvcc, "cuda_arch": arch, "arches": arches,
+            "launcher": "c" if launcher is not None else "ctypes",
+            **({} if launcher is not None else {"launcher_unavailable": launcher_why}),
             "limits": {"smem_per_block": limits.smem_per_block, "smem_lowered_from": limits.lowered_from,
                        "regs_per_block": limits.regs_per_block, "regs_per_sm": limits.regs_per_sm},
             "buckets": buckets}

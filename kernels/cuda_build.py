@@ -7,12 +7,15 @@ is cached by the hash of (prelude, source, nvcc version, arch, flags), like Trit
 torch's current stream, so they are captured by CUDA graphs like any other kernel; a launch may ask
 for programmatic dependent launch (sm_90 on), so that its CTAs start while the kernel before it drains
 (the kernel then waits for that one's results with griddepcontrol.wait). A `Launch` is set up once
-(config struct, argument buffer), so an eager call pays the driver's launch and little else. The
+(config struct, argument buffer), so an eager call pays the driver's launch and little else; a
+`Chain` makes a call's launches in one call into the host launcher (launch_chain.c, a small shared
+library the same nvcc builds), or, where that did not build, one ctypes call a launch. The
 driver also answers what a device allows (`device_attribute`) and what a kernel needs
 (`Kernel.attribute`), which the MoE's config check reads.
 
 A host without nvcc (or with one that fails) gets `CudaUnavailable` with the reason; the callers
-then run the Triton kernel and say so (build.json, the impl column).
+then run the Triton kernel and say so (build.json, the impl column). One whose nvcc builds the cubin
+but not the launcher (no host compiler) launches from Python, and build.json says so.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17")
+HOST_FLAGS = ("-shared", "-O2", "-cudart", "none", "-Xcompiler", "-fPIC")
+LAUNCHER = "launch_chain.c"
 NVCC_TIMEOUT_S = 600
 DEFAULT_NVCC = Path("/usr/local/cuda/bin/nvcc")
 _MAX_DYNAMIC_SMEM = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -99,18 +104,28 @@ def compile_cubin(source: Path, arch: str, prelude: str = "") -> Path:
     """The cached cubin of `source` for `arch`, compiled after `prelude` (source text: what the host
     decides for this build, e.g. the MoE's layout and kernel list) now if missing (atomic: tmp file,
     then rename). nvcc reads prelude + source as one file whose lines name `source` (a #line)."""
+    num = arch.removeprefix("sm_")
+    text = f'{prelude}#line 1 "{source.name}"\n'.encode() + source.read_bytes()
+    return _build(source, text, ".cu", f"-{arch}", ".cubin", (*NVCC_FLAGS, f"-gencode=arch=compute_{num},code=sm_{num}"))
+
+
+def compile_host_library(source: Path) -> Path:
+    """The cached shared library of host C source `source` (kernels/launch_chain.c), built by the same
+    nvcc (its host compiler does the work): needs no CUDA headers or runtime, only a host compiler."""
+    return _build(source, source.read_bytes(), ".c", "", ".so", HOST_FLAGS)
+
+
+def _build(source: Path, text: bytes, unit_suffix: str, tag: str, suffix: str, flags: tuple[str, ...]) -> Path:
+    """nvcc `flags` on `text` (named `source` in messages), cached by the hash of text, nvcc version and flags."""
     nvcc = nvcc_path()
     version = nvcc_version(nvcc)
-    num = arch.removeprefix("sm_")
-    flags = (*NVCC_FLAGS, f"-gencode=arch=compute_{num},code=sm_{num}")
-    text = f'{prelude}#line 1 "{source.name}"\n'.encode() + source.read_bytes()
     key = hashlib.sha256(b"\0".join([text, version.encode(), " ".join(flags).encode()])).hexdigest()
-    out = cache_dir() / f"{source.stem}-{arch}-{key[:16]}.cubin"
+    out = cache_dir() / f"{source.stem}{tag}-{key[:16]}{suffix}"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    unit = out.with_suffix(f".{os.getpid()}.cu")
+    unit = out.with_suffix(f".{os.getpid()}{unit_suffix}")
     unit.write_bytes(text)
     try:
         res = subprocess.run([nvcc, *flags, "-o", str(tmp), str(unit)], capture_output=True, text=True,
@@ -122,8 +137,9 @@ def compile_cubin(source: Path, arch: str, prelude: str = "") -> Path:
     if res.returncode != 0:
         tmp.unlink(missing_ok=True)
         tail = " | ".join((res.stderr or res.stdout).replace(str(unit), source.name).replace(
-            str(source.parent), "kernels").replace(str(tmp), "out.cubin").strip().splitlines()[-4:])[:600]
-        raise CudaUnavailable(f"nvcc failed on {source.name} for {arch} (exit {res.returncode}): {tail}")  # no host paths
+            str(source.parent), "kernels").replace(str(tmp), "out" + suffix).strip().splitlines()[-4:])[:600]
+        what = f" for {tag[1:]}" if tag else ""
+        raise CudaUnavailable(f"nvcc failed on {source.name}{what} (exit {res.returncode}): {tail}")  # no host paths
     os.replace(tmp, out)
     return out
 
@@ -199,6 +215,69 @@ class Launch:
             _check(self.kernel.lib, rc, f"launch {self.kernel.name}")
 
 
+class _ChainPlan(ctypes.Structure):
+    """launch_chain.c's Plan: pointers and counts, 8 bytes each."""
+
+    _fields_ = [("launch", ctypes.c_void_p), ("n_launches", ctypes.c_int64), ("n_args", ctypes.c_int64),
+                ("args", ctypes.c_void_p), ("which", ctypes.c_void_p), ("offset", ctypes.c_void_p),
+                ("bases", ctypes.c_void_p), ("config", ctypes.c_void_p), ("fn", ctypes.c_void_p),
+                ("params", ctypes.c_void_p)]
+
+
+@cache
+def host_launcher() -> tuple[ctypes.CDLL | None, str | None]:
+    """(launch_chain.c built and loaded, None), or (None, why not: no nvcc, no host compiler, it does not
+    load). Without it a Chain launches from Python, one driver call a launch: slower, never a failure."""
+    try:
+        lib = ctypes.CDLL(str(compile_host_library(HERE / LAUNCHER)))
+    except (CudaUnavailable, OSError) as e:
+        return None, str(e)[:300]
+    lib.launch_chain.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.launch_chain.restype = ctypes.c_int64
+    return lib, None
+
+
+class Chain:
+    """Launches set up once, made in order by one call: `bases` (n base pointers, bases[0] stays 0)
+    is written by the caller, then `launch(stream)` sets each argument slot to bases[which] + offset
+    and makes the launches. Through the host launcher (`host`: launch_chain.c) that is one ctypes call;
+    without it, a numpy fill and one ctypes call a launch (`path` says which)."""
+
+    def __init__(self, launches: Sequence[Launch], args: np.ndarray, which: np.ndarray, offset: np.ndarray,
+                 n_bases: int, host: ctypes.CDLL | None) -> None:
+        if not launches or not len(args) == len(which) == len(offset) or not 0 <= which.min() <= which.max() < n_bases:
+            raise ValueError("Chain: launches, and one base index below n_bases and one offset an argument slot")
+        self.launches, self.bases = list(launches), (ctypes.c_int64 * n_bases)()
+        self._args, self._which = args, which.astype(np.int64)
+        self._offset = np.ascontiguousarray(offset, dtype=np.int64)
+        self._base_view = np.frombuffer(self.bases, dtype=np.int64)
+        self.path = "c" if host is not None else "ctypes"
+        if host is None:
+            self.launch = self._in_python
+            return
+        n = len(self.launches)
+        self._keep = ((ctypes.POINTER(LaunchConfig) * n)(*(ctypes.pointer(ln.config) for ln in self.launches)),
+                      (ctypes.c_void_p * n)(*(ln.kernel.fn for ln in self.launches)),
+                      (ctypes.c_void_p * n)(*(ctypes.cast(ln.params, ctypes.c_void_p) for ln in self.launches)))
+        driver = self.launches[0].kernel.lib
+        self.plan = _ChainPlan(ctypes.cast(driver.cuLaunchKernelEx, ctypes.c_void_p).value, n, len(args),
+                               args.ctypes.data, self._which.ctypes.data, self._offset.ctypes.data,
+                               ctypes.addressof(self.bases), *(ctypes.addressof(a) for a in self._keep))
+        self._plan, self._run = ctypes.byref(self.plan), host.launch_chain
+        self.launch = self._in_c
+
+    def _in_c(self, stream: int) -> None:
+        rc = self._run(self._plan, stream)
+        if rc:
+            launch = self.launches[(rc >> 32) - 1]
+            _check(launch.kernel.lib, rc & 0xFFFFFFFF, f"launch {launch.kernel.name}")
+
+    def _in_python(self, stream: int) -> None:
+        np.add(self._base_view[self._which], self._offset, out=self._args)
+        for launch in self.launches:
+            launch(stream)
+
+
 def launch_config(grid: Sequence[int], block: int, smem: int, stream: int, pdl: bool) -> LaunchConfig:
     """cuLaunchKernelEx's config: a 1-D block, up to 3 grid dims, and the programmatic-serialization
     attribute when `pdl` (the config holds the attribute alive)."""
@@ -207,11 +286,13 @@ def launch_config(grid: Sequence[int], block: int, smem: int, stream: int, pdl: 
                         smem=smem, stream=stream, attrs=ctypes.pointer(attr), num_attrs=int(pdl))
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def current_stream(index: int) -> int:
     """torch's current raw stream on device `index` (the private call torch's own extensions use: a
     tenth of the cost of torch.cuda.current_stream(), which builds a Stream object)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+    return _RAW_STREAM(index) if _RAW_STREAM is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 class Module:

@@ -111,14 +111,13 @@ def unavailable_reason(device: torch.device) -> str | None:
     return _unavailable(_cuda(device).index)
 
 
-# The key of one call shape: (on CUDA, device index, dtype, M, H, E, 2 I, w2's [H, I / 8])
-Key = tuple[bool, int, torch.dtype, int, int, int, int, tuple[int, ...]]
+# The key of one call shape: x's shape, dtype, on CUDA, device index; w13_q's and w2_q's shapes. What a
+# call reads cheaply (each is one attribute), so a call pays little to find its set-up.
+Key = tuple[torch.Size, torch.dtype, bool, int, torch.Size, torch.Size]
 
 
 def _key(x: Tensor, w13_q: Tensor, w2_q: Tensor) -> Key:
-    m, h = x.shape
-    e, two_i, _ = w13_q.shape
-    return x.is_cuda, x.get_device(), x.dtype, m, h, e, two_i, tuple(w2_q.shape[1:])
+    return x.shape, x.dtype, x.is_cuda, x.get_device(), w13_q.shape, w2_q.shape
 
 
 @cache
@@ -126,15 +125,15 @@ def _why_not(key: Key, configs: Bucket | None) -> str | None:
     """Why these inputs cannot run here (None when they can): not bf16 on a CUDA device with a built
     kernel, too many experts, mismatched weights, or configs (`configs`, else the M bucket's choice on
     this device) that do not tile the shapes, hold every token an expert can get, or fit the device."""
-    on_cuda, index, dtype, m, h, e, two_i, w2 = key
+    (m, h), dtype, on_cuda, index, (e, two_i, _), w2 = key
     inter = two_i // 2
     if not on_cuda or dtype != torch.bfloat16:
         return f"the CUDA kernel takes bf16 activations on a CUDA device, not {dtype} on {'cuda' if on_cuda else 'cpu'}"
     why = _unavailable(index)
     if why is not None:
         return why
-    if e > MAX_EXPERTS or w2 != (h, inter // 8):
-        return f"E = {e} (at most {MAX_EXPERTS}), w2 [{', '.join(map(str, w2))}] (want [{h}, {inter // 8}])"
+    if e > MAX_EXPERTS or tuple(w2) != (e, h, inter // 8):
+        return f"E = {e} (at most {MAX_EXPERTS}), w2 [{', '.join(map(str, w2))}] (want [{e}, {h}, {inter // 8}])"
     if configs is None:
         c = choice(m, inter, h, index)
         return None if c.cuda else f"M = {m} runs the Triton kernel here: {c.why()}"
@@ -167,21 +166,23 @@ def _module(device: torch.device, sweep: bool = False) -> cuda_build.Module:
 # Base pointers of a call, in the order _Call's argument slots name them (0: no base, a plain value)
 _BASES = ("", "workspace", "x", "w13_q", "w13_s", "w2_q", "w2_s", "ids", "tw", "out")
 _ALIGN = 256  # bytes: each workspace buffer starts on its own 256-byte boundary
+_TOGETHER_MAX = 16 << 20  # bytes: a workspace up to this size is allocated behind the output, in one allocation
 
 
 class _Call:
-    """One call shape set up once: the workspace's layout, every launch with its arguments. A call
-    then allocates the workspace and the output, fills nine base pointers into the argument slots
-    (one numpy add) and makes the launches: moe_align (the block table; its CTAs past the first
-    prepare x), a second moe_align when the passes' block sizes differ, gate_up, moe_silu_prep (SiLU
-    x up, prepared for down), down, moe_sum."""
+    """One call shape set up once: the workspace's layout, every launch with its arguments (a
+    cuda_build.Chain). A call then allocates the output and the workspace (one allocation up to
+    _TOGETHER_MAX of workspace: the output keeps it alive, so not a large one), writes nine base
+    pointers and makes the launches, through the host launcher where it built: moe_align (the block
+    table; its CTAs past the first prepare x), a second moe_align when the passes' block sizes differ,
+    gate_up, moe_silu_prep (SiLU x up, prepared for down), down, moe_sum."""
 
     def __init__(self, index: int, m: int, h: int, e: int, inter: int, topk: int, cfg: Bucket) -> None:
         dev = torch.device("cuda", index)
         mod = _module(dev, not {cfg.gate_up.kernel, cfg.down.kernel} <= KERNELS)
         pdl = torch.cuda.get_device_capability(index)[0] >= 9
         s = m * topk
-        self.index, self.ws_bytes = index, 0
+        self.index, self.device, self.shape, self.ws_bytes = index, dev, (m, h), 0
 
         def buf(nbytes: int) -> tuple[int, int]:  # (base, offset) of a new workspace buffer
             at = self.ws_bytes
@@ -225,21 +226,35 @@ class _Call:
                   ("moe_sum", (triton.cdiv(m * h // 4, 256),), 256, 0,
                    [dn, val(dn_splits), val(s), val(m), val(h), val(topk), base["out"]])]
         slots = [a for *_, args in specs for a in args]
-        self._which = np.array([b for b, _ in slots], dtype=np.intp)
-        self._offset = np.array([o for _, o in slots], dtype=np.int64)
-        self._args = np.zeros(len(slots), dtype=np.int64)
-        self.launches, at = [], 0
-        for name, grid, block, smem, args in specs:
-            view = self._args[at:at + len(args)]
-            self.launches.append(cuda_build.Launch(mod.kernel(name), grid, block, smem, view, pdl))
-            at += len(args)
+        args = np.zeros(len(slots), dtype=np.int64)
+        launches, at = [], 0
+        for name, grid, block, smem, a in specs:
+            launches.append(cuda_build.Launch(mod.kernel(name), grid, block, smem, args[at:at + len(a)], pdl))
+            at += len(a)
+        self.chain = cuda_build.Chain(launches, args, np.array([b for b, _ in slots]),
+                                      np.array([o for _, o in slots]), len(_BASES), cuda_build.host_launcher()[0])
+        self.launches, self._bases, self._launch = launches, self.chain.bases, self.chain.launch
+        self.out_bytes = -(-2 * m * h // _ALIGN) * _ALIGN
+        self.together = (self.out_bytes + self.ws_bytes) // 2 if self.ws_bytes <= _TOGETHER_MAX else 0  # bf16s
 
     def __call__(self, pointers: tuple[int, ...]) -> None:
-        """Fill in the call's base pointers (in _BASES order) and launch on torch's current stream."""
-        np.add(np.asarray(pointers, dtype=np.int64)[self._which], self._offset, out=self._args)
-        stream = cuda_build.current_stream(self.index)
-        for launch in self.launches:
-            launch(stream)
+        """Fill in the call's base pointers (in _BASES order, the first 0) and launch on torch's current stream."""
+        self._bases[:] = pointers
+        self._launch(cuda_build.current_stream(self.index))
+
+    def run(self, x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor, ids: Tensor,
+            tw: Tensor) -> Tensor:
+        """Allocate, fill in the pointers, launch; the inputs as moe_w4a16 checked them. Returns the output."""
+        if self.together:
+            buf = torch.empty(self.together, dtype=torch.bfloat16, device=self.device)
+            out, ws = buf.as_strided(self.shape, (self.shape[1], 1)), buf.data_ptr() + self.out_bytes
+        else:
+            out = torch.empty(self.shape, dtype=torch.bfloat16, device=self.device)
+            buf = torch.empty(self.ws_bytes, dtype=torch.uint8, device=self.device)  # alive until launched
+            ws = buf.data_ptr()
+        self((0, ws, x.data_ptr(), w13_q.data_ptr(), w13_s.data_ptr(), w2_q.data_ptr(), w2_s.data_ptr(),
+              ids.data_ptr(), tw.data_ptr(), out.data_ptr()))
+        return out
 
 
 _calls = threading.local()  # per thread: a _Call's argument buffer is written by each call
@@ -254,7 +269,7 @@ def _call(key: Key, topk: int, configs: Bucket | None) -> _Call:
         why = _why_not(key, configs)
         if why is not None:
             raise ValueError(f"moe_cuda: cannot run these inputs here: {why}")
-        _, index, _, m, h, e, two_i, _ = key
+        (m, h), _, _, index, (e, two_i, _), _ = key
         cfg = configs or choice(m, two_i // 2, h, index).configs
         call = table[key, topk, configs] = _Call(index, m, h, e, two_i // 2, topk, cfg)
     return call
@@ -274,8 +289,4 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
         topk_ids.to(torch.int64).contiguous()
     tw = topk_weights if topk_weights.dtype == torch.float32 and topk_weights.is_contiguous() else \
         topk_weights.float().contiguous()
-    ws = torch.empty(call.ws_bytes, dtype=torch.uint8, device=x.device)
-    out = torch.empty_like(x)
-    call((0, ws.data_ptr(), x.data_ptr(), w13_q.data_ptr(), w13_s.data_ptr(), w2_q.data_ptr(), w2_s.data_ptr(),
-          ids.data_ptr(), tw.data_ptr(), out.data_ptr()))
-    return out
+    return call.run(x, w13_q, w13_s, w2_q, w2_s, ids, tw)

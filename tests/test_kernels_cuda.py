@@ -13,6 +13,7 @@ import ctypes
 import re
 import stat
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -332,16 +333,28 @@ def test_a_one_step_chunk_asks_for_one_ring_stage() -> None:
     assert of("nt1_w4_r1_s4_h1_a8_sc0", 4, 256).smem_bytes(256) == cfg.smem_bytes(2048), "tiles fill the ring"
 
 
+# cuLaunchKernelEx's C signature, for a fake the host launcher can call as it calls the driver
+LAUNCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+
 class FakeDriver:
-    """The two driver calls a Launch makes, recorded: what the kernel would have been given."""
+    """The driver calls a Launch makes, recorded: what the kernel would have been given. Its
+    cuLaunchKernelEx is a C function pointer, so Python (ctypes) and launch_chain.c both call it."""
 
     def __init__(self, rc: int = 0) -> None:
-        self.rc, self.launched, self.smem = rc, [], []
+        self.rc, self.launched, self.smem, self.n_params = rc, [], [], {}
+        self.cuLaunchKernelEx = LAUNCH_FN(self._launch)
 
-    def cuLaunchKernelEx(self, config, fn, params, extra) -> int:  # noqa: ANN001, N802 - the driver's names
-        cfg = config._obj
-        self.launched.append((cfg.stream, list(cfg.grid), [ctypes.c_int64.from_address(params[i]).value
-                                                           for i in range(len(params))]))
+    def kernel(self, name: str, n_params: int) -> cuda_build.Kernel:
+        """A fake kernel taking `n_params` 8-byte parameters (the recording reads that many)."""
+        fn = len(self.n_params) + 1
+        self.n_params[fn] = n_params
+        return cuda_build.Kernel(self, ctypes.c_void_p(fn), name)
+
+    def _launch(self, config: int, fn: int, params: int, extra: int | None) -> int:
+        cfg = cuda_build.LaunchConfig.from_address(config)
+        slots = (ctypes.c_void_p * self.n_params[fn]).from_address(params)
+        self.launched.append((cfg.stream, list(cfg.grid), [ctypes.c_int64.from_address(p).value for p in slots]))
         return self.rc
 
     def cuFuncSetAttribute(self, fn, attr, value) -> int:  # noqa: ANN001, N802
@@ -353,11 +366,31 @@ class FakeDriver:
         return 0
 
 
+@pytest.fixture(params=["c", "ctypes"])
+def launcher(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    """Each launch path: the host launcher (launch_chain.c built by this machine's nvcc; skipped
+    without one) and the Python fallback a host without it runs."""
+    built = cuda_build.host_launcher
+    built.cache_clear()
+    if request.param == "ctypes":
+        monkeypatch.setattr(cuda_build, "host_launcher", lambda: (None, "no launcher (test)"))
+    else:
+        try:
+            cuda_build.nvcc_path()
+        except cuda_build.CudaUnavailable:
+            pytest.skip("no nvcc on this machine")
+        monkeypatch.setenv("KDBENCH_CUDA_CACHE", str(tmp_path))
+        lib, why = cuda_build.host_launcher()
+        assert lib is not None, why
+    yield request.param
+    built.cache_clear()
+
+
 def test_a_launch_is_set_up_once_and_reads_its_arguments_from_the_buffer() -> None:
     """The params array points into the caller's int64 buffer: writing the buffer is all a call
     does before the launch; ints are read from a slot's low 4 bytes (little-endian)."""
     lib = FakeDriver()
-    kernel = cuda_build.Kernel(lib, ctypes.c_void_p(1), "k")
+    kernel = lib.kernel("k", 3)
     buf = np.zeros(6, dtype=np.int64)
     launch = cuda_build.Launch(kernel, (3, 2), 128, 70000, buf[2:5], pdl=True)
     assert lib.smem == [70000], "the opt-in above 48 KB is made at set-up"
@@ -415,6 +448,8 @@ def test_a_stage_of_one_token_serves_only_m_1(fake_device) -> None:  # noqa: ANN
     assert moe_cuda.supports(torch.zeros(1, 7168, dtype=torch.bfloat16), w13, w2, one)
     assert not moe_cuda.supports(torch.zeros(2, 7168, dtype=torch.bfloat16), w13, w2, one)
     assert moe_cuda.supports(torch.zeros(2, 7168, dtype=torch.bfloat16), w13, w2, two)
+    fewer = torch.empty(383, 7168, 256, dtype=torch.int32, device="meta")
+    assert not moe_cuda.supports(torch.zeros(2, 7168, dtype=torch.bfloat16), w13, fewer, two), "w2's E is w13's"
     assert one.gate_up.smem_bytes(7168) < two.gate_up.smem_bytes(7168)
     big = full[1024]
     assert moe_cuda.supports(torch.zeros(2048, 7168, dtype=torch.bfloat16), w13, w2, big)
@@ -430,25 +465,34 @@ def _cu_params(name: str) -> int:
     return len(params.replace("\\", " ").split(","))
 
 
-def test_a_call_shape_is_laid_out_once_and_wires_each_pass_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
-    """_Call (CPU, driver faked): each launch gets as many arguments as its kernel declares, the
-    buffers chain align -> gate_up -> SiLU -> down -> sum, workspace buffers are 256-byte aligned and
-    disjoint, and a call writes only the base pointers. Passes of different block sizes (sm_120's
-    TP-8 M = 1024 fallback: 16-slot gate_up, 32-slot down) get a table each."""
+@pytest.fixture
+def fake_module(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
+    """moe_cuda's module of kernels on a faked driver (each kernel taking as many parameters as the
+    source declares), an sm_90 device, stream 5: the driver that records the launches."""
     lib = FakeDriver()
     kernels = {}
 
     class Mod:
         def kernel(self, name: str) -> cuda_build.Kernel:
-            return kernels.setdefault(name, cuda_build.Kernel(lib, ctypes.c_void_p(1), name))
+            return kernels.setdefault(name, lib.kernel(name, _cu_params(name)))
 
     monkeypatch.setattr(moe_cuda, "_module", lambda device, sweep=False: Mod())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     monkeypatch.setattr(cuda_build, "current_stream", lambda index: 5)
+    return lib
+
+
+def test_a_call_shape_is_laid_out_once_and_wires_each_pass_to_the_next(fake_module: FakeDriver, launcher: str) -> None:
+    """_Call (CPU, driver faked): each launch gets as many arguments as its kernel declares, the
+    buffers chain align -> gate_up -> SiLU -> down -> sum, workspace buffers are 256-byte aligned and
+    disjoint, and a call writes only the base pointers. Passes of different block sizes (sm_120's
+    TP-8 M = 1024 fallback: 16-slot gate_up, 32-slot down) get a table each."""
+    lib = fake_module
     shard = moe_configs.H200["shard"]
     cfg = moe_configs.Bucket(shard[512].gate_up, shard[1024].down)
     m, h, e, inter, topk = 1000, 7168, 384, 256, 8
     call = moe_cuda._Call(0, m, h, e, inter, topk, cfg)
+    assert call.chain.path == launcher
     names = [ln.kernel.name for ln in call.launches]
     assert names == ["moe_align", "moe_align", cfg.gate_up.kernel, "moe_silu_prep", cfg.down.kernel, "moe_sum"]
     for ln in call.launches:
@@ -478,6 +522,69 @@ def test_a_call_shape_is_laid_out_once_and_wires_each_pass_to_the_next(monkeypat
     ptr["x"] += 64
     call(tuple(ptr.values()))
     assert call.launches[0].args[10] == ptr["x"], "a call rewrites the base pointers"
+    assert lib.launched[6][2][10] == ptr["x"], "and the launch reads the new one"
+
+
+def test_a_small_workspace_lies_behind_the_output_in_one_allocation(fake_module: FakeDriver) -> None:
+    """_Call.run (driver faked, CPU memory): up to _TOGETHER_MAX of workspace shares the output's allocation
+    (the output first, [M, H] contiguous; the workspace at the next 256-byte boundary), a larger one gets
+    its own; either way the launches get those pointers."""
+    lib = fake_module
+    shard = moe_configs.H200["shard"]
+    h, inter, e = 7168, 256, 384
+    small = moe_cuda._Call(0, 1, h, e, inter, 8, shard[1])
+    large = moe_cuda._Call(0, 1024, h, e, inter, 8, shard[1024])
+    assert small.ws_bytes <= moe_cuda._TOGETHER_MAX < large.ws_bytes
+    assert small.together == (small.out_bytes + small.ws_bytes) // 2 and large.together == 0
+    ins = [torch.zeros(4, dtype=torch.int64) for _ in range(7)]
+    for call in (small, large):
+        call.device = torch.device("cpu")  # the allocation on the host: what run hands the launches is checked
+        lib.launched.clear()
+        out = call.run(*ins)
+        assert out.shape == call.shape and out.is_contiguous() and out.dtype == torch.bfloat16
+        assert lib.launched[-1][2][-1] == out.data_ptr(), "moe_sum writes the output"
+        ws = lib.launched[0][2][5]  # align's first table buffer: the workspace's start
+        if call is small:
+            assert ws == out.data_ptr() + call.out_bytes and call.out_bytes % 256 == 0
+            assert out.untyped_storage().nbytes() == call.out_bytes + call.ws_bytes
+        else:
+            assert out.untyped_storage().nbytes() == 2 * 1024 * h
+
+
+def test_a_chain_launches_in_order_and_names_the_launch_that_failed(launcher: str) -> None:
+    """cuda_build.Chain on either path: slots = bases[which] + offset (base 0 a plain value), the
+    launches in order on the stream given, the first failure named with the driver's error, and the
+    launches after it not made."""
+    lib = FakeDriver()
+    args = np.zeros(5, dtype=np.int64)
+    one, two = lib.kernel("one", 2), lib.kernel("two", 3)
+    launches = [cuda_build.Launch(one, (4,), 64, 0, args[:2], pdl=True),
+                cuda_build.Launch(two, (2, 3), 32, 0, args[2:], pdl=False)]
+    chain = cuda_build.Chain(launches, args, np.array([1, 0, 2, 1, 0]), np.array([8, 7, 0, -8, -1]), 3,
+                             cuda_build.host_launcher()[0])
+    assert chain.path == launcher
+    chain.bases[:] = (0, 1 << 44, 1 << 45)
+    chain.launch(41)
+    assert lib.launched == [(41, [4, 1, 1], [(1 << 44) + 8, 7]), (41, [2, 3, 1], [1 << 45, (1 << 44) - 8, -1])]
+    assert [ln.config.num_attrs for ln in launches] == [1, 0], "programmatic dependent launch as each was set up"
+    lib.launched.clear()
+    lib.rc = 1
+    with pytest.raises(RuntimeError, match=r"launch one failed: CUDA error 1 \(invalid argument\)"):
+        chain.launch(42)
+    assert len(lib.launched) == 1, "nothing launched after a failure"
+    with pytest.raises(ValueError, match="below n_bases"):
+        cuda_build.Chain(launches, args, np.array([1, 0, 3, 1, 0]), np.zeros(5), 3, None)
+
+
+def test_without_a_host_compiler_the_launcher_says_why_and_the_python_path_runs(no_nvcc: None) -> None:
+    """No nvcc (or one that fails): host_launcher answers None and the reason (build.json's
+    launcher_unavailable), and a Chain made with it launches from Python: never a failure."""
+    cuda_build.host_launcher.cache_clear()
+    try:
+        lib, why = cuda_build.host_launcher()
+    finally:
+        cuda_build.host_launcher.cache_clear()
+    assert lib is None and "nvcc not found" in why
 
 
 def test_the_sweep_picks_gate_up_then_down_from_checked_candidates() -> None:
