@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, cast
 
-from engine.rows import COLUMNS, Row
+from engine.rows import COLUMNS, E2ERow, KernelRow
 from engine.schema import CommSource
 from flows.analysis.bands import jackknife
 from flows.analysis.families import (POINT_KEY, SIZE_AXIS, e2e_key, host_side, label, point_key, preferred,
@@ -105,9 +105,9 @@ def summarise(kind: str, ref: str, target: str, fam: str, reg: str, pairs: Seque
                        len(bands) - len(known), tuple(ratios), tuple(str(g) for *_, g in pairs))
 
 
-def _groups(rows: Sequence[Row]) -> dict[tuple, list[Row]]:
+def _groups(rows: Sequence[E2ERow]) -> dict[tuple, list[E2ERow]]:
     """e2e rows by configuration: the acceptance levels of one (tp, C, B, context, depth) are one group."""
-    out: dict[tuple, list[Row]] = {}
+    out: dict[tuple, list[E2ERow]] = {}
     for r in rows:
         out.setdefault(e2e_key(r, without=("synthetic_accept",)), []).append(r)
     return out
@@ -155,7 +155,7 @@ def _line(xs: Sequence[float], ys: Sequence[float]) -> Callable[[float], float]:
 
 def depth(data: Dataset) -> list[BacktestRow]:
     rows = [r for r in rows_of(data.tables, "e2e") if r.source == "measured" and r.step_ms_p50]
-    groups: dict[tuple, list[Row]] = {}
+    groups: dict[tuple, list[E2ERow]] = {}
     for r in rows:
         groups.setdefault(e2e_key(r, without=("layers",)), []).append(r)
     pairs: list[Pair] = []
@@ -176,7 +176,7 @@ def depth(data: Dataset) -> list[BacktestRow]:
 
 # -- size ----------------------------------------------------------------------------------------
 
-def _shape(p: Row, fam: str) -> dict[str, float]:
+def _shape(p: KernelRow, fam: str) -> dict[str, float]:
     return {a: float(getattr(p, a) or 0) for a in AXES[fam]}
 
 
@@ -184,7 +184,7 @@ def size(data: Dataset) -> list[BacktestRow]:
     kern = [k for k in rows_of(data.tables, "kernels") if k.source == "measured" and not host_side(k)]
     ceil = measured_ceilings(data.tables["runs"], data.machine.spec)
     out = []
-    fams: dict[str, list[Row]] = {}
+    fams: dict[str, list[KernelRow]] = {}
     for k in kern:
         if k.kernel in SIZE_AXIS:
             fams.setdefault(label(k), []).append(k)
@@ -211,7 +211,7 @@ def size(data: Dataset) -> list[BacktestRow]:
     return out
 
 
-def trend(prev: list[Row], to: Row, axis: str) -> tuple[float, float, float]:
+def trend(prev: list[KernelRow], to: KernelRow, axis: str) -> tuple[float, float, float]:
     """Time at `to` by the power law through the two largest of `prev` (sorted along `axis`)."""
     a, b = prev[-2], prev[-1]
     slope = math.log(b.time_us_p50 / a.time_us_p50) / math.log(getattr(b, axis) / getattr(a, axis))
@@ -226,7 +226,7 @@ def tensor_parallel(data: Dataset) -> list[BacktestRow]:
     kern = [k for k in rows_of(data.tables, "kernels") if k.source == "measured" and not host_side(k)]
     ceil = measured_ceilings(data.tables["runs"], data.machine.spec)
     out = []
-    by_fam: dict[str, list[Row]] = {}
+    by_fam: dict[str, list[KernelRow]] = {}
     for k in preferred(kern):
         if k.kernel in AXES:
             by_fam.setdefault(label(k), []).append(k)
@@ -293,7 +293,7 @@ def compare(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bo
     out = []
     at = POINT_KEY.index("impl")
     drop = lambda k: k[:at] + k[at + 1:] if relax_impl else k  # noqa: E731
-    got: dict[tuple, Row] = {}
+    got: dict[tuple, KernelRow] = {}
     for p in preferred(rows_of(proj, "kernels")) if relax_impl else rows_of(proj, "kernels"):
         got.setdefault(drop(point_key(p)), p)
     fams: dict[str, list[Pair]] = {}
@@ -365,7 +365,7 @@ def store_backtest(store: Store, rows: Iterable[BacktestRow]) -> None:
 def stored_backtest(store: Store) -> list[BacktestRow]:
     """The backtest rows `kdbench backtest` (or the flow) stored last; empty when never run."""
     return [BacktestRow(**{**r, "ratios": tuple(r.get("ratios", ())), "groups": tuple(r.get("groups", ()))})
-            for r in store.get_json(STORED) or []]
+            for r in cast("list[dict[str, Any]]", store.get_json(STORED) or [])]
 
 
 def refresh(store: Store, inv: Inventory, reference: str) -> dict[str, str]:

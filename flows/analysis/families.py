@@ -8,7 +8,7 @@ points and e2e rows are keyed when two tables are matched.
 
 from __future__ import annotations
 
-from engine.rows import COLUMNS, Row
+from engine.rows import COLUMNS, E2ERow, KernelRow
 
 MEMORY, COMPUTE, HOST, LATENCY = "memory", "compute", "host", "latency"
 # A GPU point reaching under this share of both ceilings is bound by latency (serial steps, launches):
@@ -31,17 +31,17 @@ E2E_CONTEXT = 512   # context of a short-prompt e2e step (prompts of 256-512 tok
 
 
 
-def label(row: Row) -> str:
+def label(row: KernelRow) -> str:
     """`kernel/impl`, the name a family goes by in tables and notes."""
     return f"{row.kernel}/{row.impl}"
 
 
-def tp_of(row: Row) -> int:
+def tp_of(row: KernelRow | E2ERow) -> int:
     """Tensor-parallel degree of a point or e2e row (1 where the file predates the column)."""
     return int(row.tp or 1)
 
 
-def host_side(row: Row) -> bool:
+def host_side(row: KernelRow) -> bool:
     """Points that run on the host whatever the GPU: CPU kernels and the Python tree references."""
     return row.impl == "cpu" or (row.kernel, row.impl) in HOST_SIDE
 
@@ -50,7 +50,7 @@ def bound(t_bytes: float, t_flops: float) -> str:
     return MEMORY if t_bytes >= t_flops else COMPUTE
 
 
-def regime(row: Row, gbps: float | None, tflops: float | None) -> str:
+def regime(row: KernelRow, gbps: float | None, tflops: float | None) -> str:
     """host, latency, memory or compute: what bounds a measured point on a device of these ceilings."""
     if host_side(row):
         return HOST
@@ -62,15 +62,15 @@ def regime(row: Row, gbps: float | None, tflops: float | None) -> str:
     return bound(t_bytes, t_flops)
 
 
-def point_key(row: Row) -> tuple:
+def point_key(row: KernelRow) -> tuple:
     return tuple(tp_of(row) if k == "tp" else getattr(row, k) for k in POINT_KEY)
 
 
-def e2e_key(row: Row, without: tuple[str, ...] = ()) -> tuple:
+def e2e_key(row: E2ERow, without: tuple[str, ...] = ()) -> tuple:
     return tuple(tp_of(row) if k == "tp" else getattr(row, k) for k in E2E_KEY if k not in without)
 
 
-def step_shapes(e2e: Row) -> dict[str, dict[str, float]]:
+def step_shapes(e2e: E2ERow) -> dict[str, dict[str, float]]:
     """The kernel shape each family runs at in one step of an e2e point (attention over the row's
     prompt length where that is longer than a short-prompt step's context: the context axis)."""
     conc, budget = e2e.concurrency, e2e.budget
@@ -80,7 +80,7 @@ def step_shapes(e2e: Row) -> dict[str, dict[str, float]]:
             "build_tree": {C.batch: conc, C.budget: budget}, "tree_accept": {C.batch: conc, C.budget: budget}}
 
 
-def preferred(rows: list[Row]) -> list[Row]:
+def preferred(rows: list[KernelRow]) -> list[KernelRow]:
     """The implementation a step runs: the engine's own kernels where the family has them (CUDA or
     Triton, whichever the host ran at each shape), else what there is (the torch reference)."""
     return [r for r in rows if r.impl != "torch"] or rows

@@ -23,7 +23,7 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.costs import build_tree_cost, expected_experts, mla_cost, moe_cost, tree_accept_cost
-from engine.rows import COLUMNS, Row
+from engine.rows import COLUMNS, KernelRow
 from flows.analysis.carrier import Side, memory_gbps
 from flows.analysis.families import host_side, preferred, tp_of
 from flows.analysis.interp import Estimate, interpolate
@@ -127,16 +127,16 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
-def class_key(row: Row) -> Key:
+def class_key(row: KernelRow) -> Key:
     return (row.op, tp_of(row)) if row.kernel == "dense_gemm" else (tp_of(row),)
 
 
-def fit_family(name: str, rows: Sequence[Row], gbps: float, tflops: float) -> FamilyModel:
+def fit_family(name: str, rows: Sequence[KernelRow], gbps: float, tflops: float) -> FamilyModel:
     """The family's model from its measured points (the engine's preferred impl at each shape).
 
     Classes with fewer points than parameters fall back to the roofline at the ceilings (with the
     points' own ratio to it)."""
-    groups: dict[Key, list[Row]] = {}
+    groups: dict[Key, list[KernelRow]] = {}
     for r in preferred([r for r in rows if r.kernel == name and not host_side(r)]):
         groups.setdefault(class_key(r), []).append(r)
     shared = name in SHARED_COMPUTE and sum(len(g) >= 2 for g in groups.values()) >= 1
@@ -152,7 +152,7 @@ def fit_family(name: str, rows: Sequence[Row], gbps: float, tflops: float) -> Fa
     return FamilyModel(name, classes)
 
 
-def _fit(keys: list[Key], groups: dict[Key, list[Row]], shared: bool) -> dict[Key, Fit]:
+def _fit(keys: list[Key], groups: dict[Key, list[KernelRow]], shared: bool) -> dict[Key, Fit]:
     """Per class (latency, us/byte, us/flop); with `shared`, one us/flop for all fitted classes."""
     fitted = [k for k in keys if len(groups[k]) >= (3 if not shared else 2)]
     if not fitted:
@@ -176,7 +176,7 @@ def _fit(keys: list[Key], groups: dict[Key, list[Row]], shared: bool) -> dict[Ke
     return out
 
 
-def fit_all(rows: Sequence[Row], ceilings: Any) -> dict[str, FamilyModel]:
+def fit_all(rows: Sequence[KernelRow], ceilings: Any) -> dict[str, FamilyModel]:
     """Every known family's model; `ceilings.of(dtype)` gives the (GB/s, TFLOP/s) of the fallback roofline."""
     out = {}
     for name in AXES:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from engine.rows import Row
+from engine.rows import E2ERow
 from engine.schema import provenance
 from flows.analysis.ceilings import rows_of
 from flows.inventory.scrub import md
@@ -20,7 +20,7 @@ def _context(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
 
 
-def _cell(row: Row, note: Mapping[str, Any]) -> str:
+def _cell(row: E2ERow, note: Mapping[str, Any]) -> str:
     if row.status != "ok":
         return md(row.skip_reason or "does not fit")
     band = (f" ({row.tokens_per_s_low:,.0f}-{row.tokens_per_s_high:,.0f})"
@@ -36,7 +36,7 @@ def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
     prov = provenance(tables["runs"])
     notes = list(prov.get("answers", []))
     notes += [{}] * (len(rows) - len(notes))
-    levels: dict[Any, list[tuple[Row, Mapping[str, Any]]]] = {}
+    levels: dict[Any, list[tuple[E2ERow, Mapping[str, Any]]]] = {}
     for r, n in zip(rows, notes):
         levels.setdefault((r.synthetic_accept, r.accept_len_mean), []).append((r, n if isinstance(n, dict) else {}))
     out = []
