@@ -1,11 +1,12 @@
-"""Typed rows of the result tables, one class a table, written out from engine.schema's columns, and the
-kernel shapes.
+"""Typed rows of the result tables, one class a table, written out from engine.schema's columns; a file's
+provenance record; and the kernel shapes.
 
 Why written out: a type checker sees each row's attributes, so a misspelt one is caught before a run;
-tests/test_engine_units.py checks that every class has exactly its table's columns, in order, of the
+tests/test_engine_units.py checks that every row class has exactly its table's columns, in order, of the
 column's type, each defaulting to what a file that leaves the column out means (null, or
-`schema.column_defaults`). A row is a frozen dataclass of keyword fields: an unknown column is a
-TypeError where the row is made, not a wrong file later. `schema.to_table` takes these rows.
+`schema.column_defaults`), and that `Provenance` has the schema's provenance keys. A row is a frozen
+dataclass of keyword fields: an unknown column is a TypeError where the row is made, not a wrong file
+later. `schema.to_table` takes these rows.
 
 The kernels table keeps its generic shape columns (M, N, K, E, top_k, batch, budget, context, op:
 schema v4), which mean different things in different families. Each family's shape record below
@@ -152,6 +153,48 @@ class CommRow:
     status: str | None = None
     skip_reason: str | None = None
     source: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Provenance:
+    """A result file's provenance (its metadata JSON): engine.schema.PROVENANCE_KEYS, where the run ran,
+    then the controller's ADDED_PROVENANCE_KEYS. Read with `of`, which ignores keys it does not know; a
+    key left None is not written (`schema.to_table`)."""
+
+    run_id: str
+    host: str | None = None
+    gpu_name: str | None = None
+    gpu_count: int | None = None
+    driver: str | None = None
+    cuda: str | None = None
+    torch: str | None = None
+    triton: str | None = None
+    python: str | None = None
+    payload_hash: str | None = None
+    arch: str | None = None
+    device: str | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    reference_run_id: str | None = None
+    reference_host: str | None = None
+    references: list[str] | None = None
+    spec: str | dict[str, Any] | None = None   # an import's spec sheet name; a projection's target spec figures
+    assumptions: list[dict[str, Any]] | None = None
+    what: str | None = None
+    answers: list[dict[str, Any]] | None = None
+    origin: str | None = None
+    machine: str | None = None
+    date: str | None = None
+    source: str | None = None
+    impl: str | None = None
+    notes: list[str] | None = None
+    interconnect: str | None = None
+
+    @classmethod
+    def of(cls, table: pa.Table) -> Provenance:
+        """The provenance of a checked table (its run_id a string: `schema.validate`)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in schema.provenance(table).items() if k in known})
 
 
 ROWS: dict[str, type] = {"runs": RunRow, "kernels": KernelRow, "e2e": E2ERow, "comm": CommRow}

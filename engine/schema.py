@@ -40,6 +40,13 @@ PROVENANCE_KEYS = (
     "run_id", "host", "gpu_name", "gpu_count", "driver", "cuda", "torch", "triton",
     "python", "payload_hash", "arch", "device", "started_at", "ended_at",
 )
+# Keys the controller adds to the provenance of the files it writes: a projection's or what-if grid's
+# reference (and the projection's target spec figures and assumptions, the grid's question and answers);
+# an import's origin, the outside machine, date, source, implementation, notes, spec sheet and link.
+ADDED_PROVENANCE_KEYS = (
+    "reference_run_id", "reference_host", "references", "spec", "assumptions", "what", "answers",
+    "origin", "machine", "date", "source", "impl", "notes", "interconnect",
+)
 
 SCHEMAS: dict[str, pa.Schema] = {
     "runs": pa.schema([
@@ -178,9 +185,10 @@ class SchemaError(ValueError):
     """A result file that does not match the contract; the message names the file and field."""
 
 
-def to_table(name: str, rows: Iterable[Any], provenance: Mapping[str, Any]) -> pa.Table:
+def to_table(name: str, rows: Iterable[Any], provenance: Any) -> pa.Table:
     """Build a table of `name` from rows: engine.rows' typed rows, or dicts (a column a dict leaves out
-    takes its `defaults` value, null where it has none)."""
+    takes its `defaults` value, null where it has none). `provenance`: an engine.rows.Provenance (a key
+    it leaves None is not written) or a dict."""
     schema = SCHEMAS[name]
     rows = [asdict(r) if is_dataclass(r) else r for r in rows]
     unknown = {k for r in rows for k in r} - set(schema.names)
@@ -189,8 +197,14 @@ def to_table(name: str, rows: Iterable[Any], provenance: Mapping[str, Any]) -> p
     defaults = column_defaults(name)
     cols = {f.name: [r.get(f.name, defaults.get(f.name)) for r in rows] for f in schema}
     meta = {"kdbench.schema_version": SCHEMA_VERSION, "kdbench.table": name,
-            "kdbench.provenance": json.dumps(dict(provenance), sort_keys=True)}
+            "kdbench.provenance": json.dumps(_provenance_keys(provenance), sort_keys=True)}
     return pa.Table.from_pydict(cols, schema=schema.with_metadata(meta))
+
+
+def _provenance_keys(provenance: Any) -> dict[str, Any]:
+    if is_dataclass(provenance) and not isinstance(provenance, type):
+        return {k: v for k, v in asdict(provenance).items() if v is not None}
+    return dict(provenance)
 
 
 def table_bytes(table: pa.Table) -> bytes:

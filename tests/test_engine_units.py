@@ -177,6 +177,12 @@ def test_typed_rows_are_the_schema_columns_and_refuse_any_other() -> None:
             {k: v for k, v in defaults.items() if v is not None}
     with pytest.raises(TypeError, match="time_us"):
         rows.KernelRow(kernel="moe_w4a16", time_us=1.0)
+    # provenance: the keys a file carries, then the controller's; read ignoring others, written without Nones
+    assert tuple(f.name for f in fields(rows.Provenance)) == schema.PROVENANCE_KEYS + schema.ADDED_PROVENANCE_KEYS
+    prov = rows.Provenance(run_id="r", host="h", references=["a"])
+    table = schema.to_table("comm", [], prov)
+    assert schema.provenance(table) == {"run_id": "r", "host": "h", "references": ["a"]}
+    assert rows.Provenance.of(schema.to_table("comm", [], {"run_id": "r", "other": 1})) == rows.Provenance(run_id="r")
     assert rows.E2ERow().status == "ok" and rows.KernelRow().tp == 1
     assert rows.MoeShape(4, 256, 128, 16, 4).columns() == {"M": 4, "N": 256, "K": 128, "E": 16, "top_k": 4}
     assert rows.MlaShape(2, 16, 1024, 8, 576).columns() == {"batch": 2, "budget": 16, "context": 1024, "N": 8, "K": 576}

@@ -24,8 +24,8 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from engine.rows import COLUMNS, CommRow, E2ERow, KernelRow, RunRow
-from engine.schema import CommSource, PointStatus, provenance, to_table
+from engine.rows import COLUMNS, CommRow, E2ERow, KernelRow, Provenance, RunRow
+from engine.schema import CommSource, PointStatus, to_table
 from flows.analysis.assumptions import (Assumption, BandEvidence, Comm, E2eNotMeasured, E2eWithoutSplit, Kept,
                                         KernelModels, ReferenceCeilings, SkippedPoint, StepModel, TargetCeilings,
                                         TensorParallel, TpCarry, parse, record)
@@ -51,7 +51,7 @@ NOT_MEASURED_LISTED, SKIP_REASON_CHARS = 20, 300
 
 def assumptions(tables: Tables) -> list[Assumption]:
     """The assumption records a projection stored with its tables, typed."""
-    return [parse(a) for a in provenance(tables["runs"]).get("assumptions", [])]
+    return [parse(a) for a in Provenance.of(tables["runs"]).assumptions or []]
 
 
 # -- kernel points ------------------------------------------------------------------------------
@@ -323,14 +323,13 @@ def project(tables: Tables, ref: Machine, target: Machine,
         main.eproj = [_widen_e2e(e, e2e.get(e2e_key(e))) for e in main.eproj]
     refs = [ref_run_id] + [t["runs"].column(COLUMNS.run_id)[0].as_py() for t, _ in also]
     records = [record(a) for a in assumption_records(ref, target, ref_run_id, main, refs)]
-    prov_ref = provenance(tables["runs"])
+    prov_ref = Provenance.of(tables["runs"])
     spec_figs = target.spec.model_dump(exclude={"sources"})
     device = "cpu" if target.spec.arch == "cpu" else "cuda"
-    prov = {"run_id": run_id, "host": target.name, "gpu_name": target.spec.gpu, "gpu_count": target.gpus,
-            "arch": target.spec.arch, "device": device,
-            "started_at": prov_ref.get("started_at"), "ended_at": prov_ref.get("ended_at"),
-            "reference_run_id": ref_run_id, "reference_host": ref.name, "references": refs,
-            "spec": spec_figs, "assumptions": records}
+    prov = Provenance(run_id=run_id, host=target.name, gpu_name=target.spec.gpu, gpu_count=target.gpus,
+                      arch=target.spec.arch, device=device, started_at=prov_ref.started_at, ended_at=prov_ref.ended_at,
+                      reference_run_id=ref_run_id, reference_host=ref.name, references=refs, spec=spec_figs,
+                      assumptions=records)
     if target.gpus > 1 and not any(r.suite == "comm" for r in ref_runs):
         ref_runs.append(replace(ref_runs[0], suite="comm"))
     comm_rows = project_comm(main.comm, run_id)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from engine.rows import E2ERow
-from engine.schema import provenance
+from engine.rows import E2ERow, Provenance
 from flows.analysis.ceilings import rows_of
 from flows.inventory.scrub import md
 from flows.notes.pages import LevelTable, WhatIfView
@@ -33,8 +32,8 @@ def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
     rows = rows_of(tables, "e2e")
     if not rows:
         return None
-    prov = provenance(tables["runs"])
-    notes = list(prov.get("answers", []))
+    prov = Provenance.of(tables["runs"])
+    notes: list[Any] = list(prov.answers or [])
     notes += [{}] * (len(rows) - len(notes))
     levels: dict[Any, list[tuple[E2ERow, Mapping[str, Any]]]] = {}
     for r, n in zip(rows, notes):
@@ -57,7 +56,7 @@ def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
     if unknown:
         lines.append("band unknown where a carry has too little held-out evidence: " + md(", ".join(unknown), cap=400))
     intro = (f"The step model's answers (projected, not measured) at TP-{first.tp}, tree budget {first.budget}, "
-             f"from {md(prov.get('reference_host', '?'))} run {md(prov.get('reference_run_id', '?'))}: tokens/s = C x "
+             f"from {md(prov.reference_host or '?')} run {md(prov.reference_run_id or '?')}: tokens/s = C x "
              "(accepted + 1) / (step + comm), the steady state of a full batch, with its band from the backtests' "
              "held-out errors, and the step's largest term.")
     return WhatIfView(intro, tuple(out), tuple(lines))
