@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, overload
 
 import pyarrow as pa
 
@@ -202,6 +202,7 @@ Row = RunRow | KernelRow | E2ERow | CommRow
 # Every column's name as an attribute (COLUMNS.reference_run_id == "reference_run_id"), for the few
 # places that must name a column as a string (an Arrow column read): a misspelt one is an
 # AttributeError where it is named, not a column silently missing.
+S = TypeVar("S", bound="Shape")
 COLUMNS = SimpleNamespace(**{n: n for t in schema.TABLES for n in schema.SCHEMAS[t].names})
 
 
@@ -234,22 +235,24 @@ def _timing_columns(t: Timing, nbytes: float, flops: float) -> dict[str, Any]:
             "achieved_gbps": nbytes / s / 1e9, "achieved_tflops": flops / s / 1e12}
 
 
-class _Shape:
-    """A family's shape: its own names (the fields) and the kernels columns they are stored in."""
+class Shape:
+    """A family's shape: its own names (the fields), the kernels columns they are stored in, and the axes
+    a sweep varies (`SWEPT`: the rest follow from the model config, the TP degree and, for dense GEMMs, the op)."""
 
     COLUMNS: ClassVar[dict[str, str]]  # field -> column
+    SWEPT: ClassVar[tuple[str, ...]]
 
     def columns(self) -> dict[str, Any]:
         return {col: getattr(self, name) for name, col in self.COLUMNS.items()}
 
     @classmethod
-    def of(cls, row: Any) -> Any:
+    def of(cls: type[S], row: Any) -> S:
         """The shape a kernels row of this family stores (the inverse of `columns`): read by its names."""
         return cls(**{name: getattr(row, col) for name, col in cls.COLUMNS.items()})
 
 
 @dataclass(frozen=True)
-class MoeShape(_Shape):
+class MoeShape(Shape):
     """Routed experts: M tokens through E experts of [gate_up_rows, hidden] (gate_up_rows = 2 x the
     intermediate of one TP rank), each token to top_k of them."""
 
@@ -260,10 +263,11 @@ class MoeShape(_Shape):
     top_k: int
     COLUMNS: ClassVar[dict[str, str]] = {"tokens": "M", "gate_up_rows": "N", "hidden": "K", "experts": "E",
                                          "top_k": "top_k"}
+    SWEPT: ClassVar[tuple[str, ...]] = ("tokens",)
 
 
 @dataclass(frozen=True)
-class MlaShape(_Shape):
+class MlaShape(Shape):
     """Tree-verify attention: `batch` sequences of budget + 1 tree tokens over `context` cached rows,
     `heads` query heads (one TP rank's) of `head_dim` (latent + rope)."""
 
@@ -274,10 +278,11 @@ class MlaShape(_Shape):
     head_dim: int
     COLUMNS: ClassVar[dict[str, str]] = {"batch": "batch", "budget": "budget", "context": "context",
                                          "heads": "N", "head_dim": "K"}
+    SWEPT: ClassVar[tuple[str, ...]] = ("batch", "budget", "context")
 
 
 @dataclass(frozen=True)
-class TreeShape(_Shape):
+class TreeShape(Shape):
     """Tree build: `budget` nodes a sequence from draft_len positions of draft_topk candidates."""
 
     batch: int
@@ -285,19 +290,21 @@ class TreeShape(_Shape):
     draft_len: int
     draft_topk: int
     COLUMNS: ClassVar[dict[str, str]] = {"batch": "batch", "budget": "budget", "draft_len": "N", "draft_topk": "K"}
+    SWEPT: ClassVar[tuple[str, ...]] = ("batch", "budget")
 
 
 @dataclass(frozen=True)
-class AcceptShape(_Shape):
+class AcceptShape(Shape):
     """Tree accept: the target's argmax walked down trees of `budget` nodes."""
 
     batch: int
     budget: int
     COLUMNS: ClassVar[dict[str, str]] = {"batch": "batch", "budget": "budget"}
+    SWEPT: ClassVar[tuple[str, ...]] = ("batch", "budget")
 
 
 @dataclass(frozen=True)
-class DenseShape(_Shape):
+class DenseShape(Shape):
     """A dense GEMM of a step (engine.costs.dense_ops): M tokens x [out_features, in_features], `heads`
     of them side by side for the absorbed MLA einsums (1 for a plain linear)."""
 
@@ -308,10 +315,11 @@ class DenseShape(_Shape):
     heads: int
     COLUMNS: ClassVar[dict[str, str]] = {"op": "op", "tokens": "M", "out_features": "N", "in_features": "K",
                                          "heads": "batch"}
+    SWEPT: ClassVar[tuple[str, ...]] = ("tokens",)
 
 
-def kernel_row(kernel: str, impl: str, dtype: str, device: str, shape: _Shape, t: Timing, nbytes: float,
-               flops: float, **more: Any) -> Any:
+def kernel_row(kernel: str, impl: str, dtype: str, device: str, shape: Shape, t: Timing, nbytes: float,
+               flops: float, **more: Any) -> KernelRow:
     """A kernels row: the point's shape in its family's columns, its timing, and `more` columns."""
     return KernelRow(kernel=kernel, impl=impl, dtype=dtype, device=device, **shape.columns(),
                      **_timing_columns(t, nbytes, flops), **more)

@@ -31,9 +31,9 @@ from typing import Any, Callable, Iterable, Sequence, cast
 from engine.rows import COLUMNS, E2ERow, KernelRow
 from engine.schema import CommSource
 from flows.analysis.bands import jackknife
-from flows.analysis.families import (POINT_KEY, SIZE_AXIS, e2e_key, host_side, label, point_key, preferred,
-                                     regime, tp_of)
-from flows.analysis.kernelfit import AXES, class_key, fit_family
+from flows.analysis.families import (POINT_KEY, SHAPES, SIZE_AXIS, e2e_key, host_side, label, point_key, preferred,
+                                     regime, shape_of, tp_of)
+from flows.analysis.kernelfit import class_key, fit_family
 from flows.analysis.projection import ProjectionError, breakdown, measured_ceilings, project, rows_of
 from flows.analysis.reference import Dataset, is_outside, measured_datasets, project_host, unmeasured_hosts
 from flows.analysis.stepmodel import FAMILIES, COLUMN, answer, build, calibration_rows, config_of, query_of
@@ -176,10 +176,6 @@ def depth(data: Dataset) -> list[BacktestRow]:
 
 # -- size ----------------------------------------------------------------------------------------
 
-def _shape(p: KernelRow, fam: str) -> dict[str, float]:
-    return {a: float(getattr(p, a) or 0) for a in AXES[fam]}
-
-
 def size(data: Dataset) -> list[BacktestRow]:
     kern = [k for k in rows_of(data.tables, "kernels") if k.source == "measured" and not host_side(k)]
     ceil = measured_ceilings(data.tables["runs"], data.machine.spec)
@@ -199,7 +195,7 @@ def size(data: Dataset) -> list[BacktestRow]:
         for h in held:
             if model is None or class_key(h) not in model.classes:
                 continue
-            got = model.time_us(class_key(h), _shape(h, fam), h.bytes, h.flops)
+            got = model.time_us(class_key(h), shape_of(h), h.bytes, h.flops)
             if got:
                 pairs.append((h.time_us_p50, got[0].value, point_key(h)))
                 regimes.append(regime(h, *ceil.of(h.dtype)))
@@ -228,7 +224,7 @@ def tensor_parallel(data: Dataset) -> list[BacktestRow]:
     out = []
     by_fam: dict[str, list[KernelRow]] = {}
     for k in preferred(kern):
-        if k.kernel in AXES:
+        if k.kernel in SHAPES:
             by_fam.setdefault(label(k), []).append(k)
     for fam_label, pts in sorted(by_fam.items()):
         fam = pts[0].kernel
@@ -238,7 +234,7 @@ def tensor_parallel(data: Dataset) -> list[BacktestRow]:
             continue
         model = fit_family(fam, full, *ceil.of(pts[0].dtype))
         pairs = [(k.time_us_p50, got[0].value, point_key(k)) for k in shard
-                 for got in [model.time_us(class_key(k), _shape(k, fam), k.bytes, k.flops)] if got]
+                 for got in [model.time_us(class_key(k), shape_of(k), k.bytes, k.flops)] if got]
         out.append(summarise("tp", data.name, data.name, fam_label, regime(shard[0], *ceil.of(shard[0].dtype)),
                              pairs, "TP-N shard shapes from the full shapes' kernel model (at the shard's bytes/flops)"))
     e2e = calibration_rows(rows_of(data.tables, "e2e"))

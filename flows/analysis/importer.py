@@ -36,8 +36,9 @@ import pyarrow as pa
 
 from engine.config import CONFIGS
 from engine.costs import expected_experts
-from engine.rows import Provenance
+from engine.rows import MoeShape, Provenance
 from engine.schema import MANIFEST, MAX_ROWS, CommSource, SchemaError, check_values, manifest_bytes, table_bytes, to_table
+from flows.analysis.families import shape_at
 from flows.analysis.kernelfit import cost_of
 from flows.analysis.reference import OUTSIDE_ORIGINS, is_outside
 from flows.inventory.hosts import INDEX_PAGE, Interconnect, Inventory, is_page_name
@@ -214,10 +215,11 @@ def kernel_rows(label: str, records: list[dict[str, Any]], run_id: str, impl: st
             for col in SHAPE[kernel]:
                 if col not in row:
                     raise ImportFileError(f"{where}, column {col!r}: missing ({kernel} needs {', '.join(SHAPE[kernel])})")
-            nbytes, flops = cost_of(kernel, cfg, row, tp)
-            if kernel == "moe_w4a16":
-                row.update(N=2 * cfg.moe_inter // tp, K=cfg.hidden, E=cfg.experts, top_k=cfg.top_k,
-                           expected_experts=expected_experts(cfg.experts, cfg.top_k, row["M"]))
+            shape = shape_at(kernel, cfg, int(tp), tokens=row.get("M", 0), batch=row.get("batch", 0),
+                             budget=row.get("budget", 0), context=row.get("context", 0))
+            nbytes, flops = cost_of(cfg, shape, int(tp))
+            if isinstance(shape, MoeShape):   # its whole shape, from the config; the others keep the columns given
+                row.update(shape.columns(), expected_experts=expected_experts(cfg.experts, cfg.top_k, shape.tokens))
         else:
             if "bytes" not in r or "flops" not in r:
                 raise ImportFileError(f"{where}, column {'bytes' if 'bytes' not in r else 'flops'!r}: kdbench does "

@@ -33,8 +33,8 @@ from flows.analysis.bands import MIN_POINTS, Band, combine, step_band
 from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError,
                                      Tables, allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
 from flows.analysis.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, bound, e2e_key,
-                                     host_side, label, point_key, regime, tp_of)
-from flows.analysis.kernelfit import AXES, class_key
+                                     host_side, label, point_key, regime, shape_of, tp_of)
+from flows.analysis.kernelfit import class_key
 from flows.analysis.stepmodel import (COLUMN, FAMILIES, Model, answer, build, calibration_rows, config_of, query_of,
                                       step_spread)
 
@@ -151,7 +151,7 @@ def project_kernels(rows: list[KernelRow], model: Model, evidence: Sequence[Any]
     for r in rows:
         fam = model.fams.get(r.kernel)
         got = None if fam is None or host_side(r) else fam.time_us(
-            class_key(r), {a: float(getattr(r, a) or 0) for a in AXES[fam.family]}, r.bytes, r.flops,
+            class_key(r), shape_of(r), r.bytes, r.flops,
             model.carry)
         if got is None:
             p = project_point(r, model.ref_c.of(r.dtype), model.tgt_c.of(r.dtype),

@@ -33,9 +33,9 @@ from typing import Sequence
 
 from engine.config import CONFIGS, ModelConfig
 from engine.costs import dense_op_cost, dense_op_rows, dense_ops
-from engine.rows import COLUMNS, CommRow, E2ERow
+from engine.rows import COLUMNS, CommRow, DenseShape, E2ERow, Shape
 from flows.analysis.carrier import SHARE, Side, how
-from flows.analysis.families import E2E_CONTEXT, e2e_key, tp_of
+from flows.analysis.families import E2E_CONTEXT, e2e_key, shape_at, tp_of
 from flows.analysis.interp import Estimate, Sample, interpolate, interpolate_borrowing
 from flows.analysis.kernelfit import Carry, FamilyModel, cost_of, fit_all
 from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, Ceilings, CommModel, Machine, Tables, comm_model,
@@ -166,18 +166,15 @@ def suite_ms(m: Model, cfg: ModelConfig, q: Query, on_target: bool = True) -> _A
     c, b, tp = q.concurrency, q.budget, q.tp
     tokens = c * (b + 1)
 
-    def timed(name: str, key: tuple, shape: dict[str, float], cost: tuple[float, float]) -> tuple[Estimate, str] | None:
+    def timed(name: str, key: tuple, shape: Shape, cost: tuple[float, float]) -> tuple[Estimate, str] | None:
         fam = m.fams.get(name)
         return fam.time_us(key, shape, *cost, m.carry if on_target else None) if fam else None
 
-    C = COLUMNS
-    for fam, name, shape, count in (("moe", "moe_w4a16", {C.M: tokens}, n["moe_layer"]),
-                                    ("attention", "mla_tree_attention", {C.batch: c, C.budget: b, C.context: q.context},
-                                     layers),
-                                    ("tree", "build_tree", {C.batch: c, C.budget: b}, 1),
-                                    ("tree", "tree_accept", {C.batch: c, C.budget: b}, 1)):
-        sharded = name in ("moe_w4a16", "mla_tree_attention")
-        got = timed(name, (tp,) if sharded else (1,), shape, cost_of(name, cfg, shape, tp if sharded else 1))
+    for fam, name, count in (("moe", "moe_w4a16", n["moe_layer"]), ("attention", "mla_tree_attention", layers),
+                             ("tree", "build_tree", 1), ("tree", "tree_accept", 1)):
+        on = tp if name in ("moe_w4a16", "mla_tree_attention") else 1   # the tree kernels are not sharded
+        shape = shape_at(name, cfg, on, tokens=tokens, batch=c, budget=b, context=q.context)
+        got = timed(name, (on,), shape, cost_of(cfg, shape, on))
         if got is None:
             acc.notes.append(f"{fam}: no {name} points; left out")
             continue
@@ -187,7 +184,7 @@ def suite_ms(m: Model, cfg: ModelConfig, q: Query, on_target: bool = True) -> _A
         fam, rows = ("lm_head" if op.name in HEADS else "dense"), dense_op_rows(op, cfg, c, b)
         cost = dense_op_cost(op, rows)
         key = (op.name, 1) if op == full.get(op.name) else (op.name, tp)   # a replicated op is timed at TP-1
-        got = timed("dense_gemm", key, {C.M: rows}, cost)
+        got = timed("dense_gemm", key, DenseShape(op.name, rows, op.n, op.k, op.heads), cost)
         if got is None:   # not measured: the roofline at the machine's copy and matmul ceilings
             ceil = m.tgt_c if on_target else m.ref_c
             gbps, tflops = ceil.of(op.dtype)
