@@ -116,6 +116,8 @@ def test_the_kernel_model_extrapolates_along_its_roofline(ref) -> None:
 def test_a_step_runs_each_family_at_its_shape_record_of_one_rank() -> None:
     """K2 at TP-8 (DESIGN.md): gate_up N = 512 a rank, 8 of the 64 heads; the tree kernels are whole."""
     assert shape_at("moe_w4a16", K2, 8, tokens=16) == MoeShape(16, 512, 7168, 384, 8)
+    # a rank's intermediate is whole, as engine.bench_kernels records it (an import at TP-3 wrote 1365 rows)
+    assert shape_at("moe_w4a16", K2, 3, tokens=1).gate_up_rows == 2 * 682
     mla = shape_at("mla_tree_attention", K2, 8, batch=2, budget=32, context=8192)
     assert mla == MlaShape(2, 32, 8192, 8, 576) and along(mla) == {"batch": 2, "budget": 32, "context": 8192}
     assert shape_at("build_tree", K2, 1, batch=2, budget=32) == TreeShape(2, 32, K2.draft_len, K2.draft_topk)

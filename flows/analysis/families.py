@@ -84,7 +84,7 @@ def shape_at(family: str, cfg: ModelConfig, tp: int, tokens: int = 0, batch: int
     """The shape one rank of a TP-`tp` deployment of `cfg` runs a family's kernel at, for a step of
     `tokens` tokens (the MoE) or `batch` sequences of `budget` tree nodes over `context` cached rows."""
     if family == "moe_w4a16":
-        return MoeShape(tokens, 2 * cfg.moe_inter // tp, cfg.hidden, cfg.experts, cfg.top_k)
+        return MoeShape(tokens, 2 * (cfg.moe_inter // tp), cfg.hidden, cfg.experts, cfg.top_k)
     if family == "mla_tree_attention":
         return MlaShape(batch, budget, context, cfg.heads // tp, cfg.kv_lora + cfg.rope_dim)
     if family == "build_tree":

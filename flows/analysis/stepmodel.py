@@ -172,9 +172,9 @@ def suite_ms(m: Model, cfg: ModelConfig, q: Query, on_target: bool = True) -> _A
 
     for fam, name, count in (("moe", "moe_w4a16", n["moe_layer"]), ("attention", "mla_tree_attention", layers),
                              ("tree", "build_tree", 1), ("tree", "tree_accept", 1)):
-        on = tp if name in ("moe_w4a16", "mla_tree_attention") else 1   # the tree kernels are not sharded
-        shape = shape_at(name, cfg, on, tokens=tokens, batch=c, budget=b, context=q.context)
-        got = timed(name, (on,), shape, cost_of(cfg, shape, on))
+        degree = tp if name in ("moe_w4a16", "mla_tree_attention") else 1   # the tree kernels are not sharded
+        shape = shape_at(name, cfg, degree, tokens=tokens, batch=c, budget=b, context=q.context)
+        got = timed(name, (degree,), shape, cost_of(cfg, shape, degree))
         if got is None:
             acc.notes.append(f"{fam}: no {name} points; left out")
             continue
