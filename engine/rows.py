@@ -197,8 +197,8 @@ class Provenance:
         return cls(**{k: v for k, v in schema.provenance(table).items() if k in known})
 
 
-ROWS: dict[str, type] = {"runs": RunRow, "kernels": KernelRow, "e2e": E2ERow, "comm": CommRow}
 Row = RunRow | KernelRow | E2ERow | CommRow
+ROWS: dict[str, type[Row]] = {"runs": RunRow, "kernels": KernelRow, "e2e": E2ERow, "comm": CommRow}
 # Every column's name as an attribute (COLUMNS.reference_run_id == "reference_run_id"), for the few
 # places that must name a column as a string (an Arrow column read): a misspelt one is an
 # AttributeError where it is named, not a column silently missing.
@@ -222,7 +222,7 @@ def table_rows(table: pa.Table, name: str) -> list[Any]:
     return [ROWS[name](**r) for r in table.to_pylist()]
 
 
-def set_columns(row: Any) -> dict[str, Any]:
+def set_columns(row: Row) -> dict[str, Any]:
     """Column -> value of the columns a row sets (not null): what a progress line carries."""
     return {f.name: getattr(row, f.name) for f in fields(row) if getattr(row, f.name) is not None}
 
