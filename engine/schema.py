@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
 from engine.files import atomic_write_bytes, sha256_file
+from engine.ipcfooter import IpcRefused, refuse_compressed
 
 SCHEMA_VERSION = "4"
 READABLE_VERSIONS = ("2", "3", "4")   # older files read with the later columns at their defaults (_ADDED)
@@ -39,6 +40,13 @@ _s, _i, _d = pa.string(), pa.int64(), pa.float64()
 PROVENANCE_KEYS = (
     "run_id", "host", "gpu_name", "gpu_count", "driver", "cuda", "torch", "triton",
     "python", "payload_hash", "arch", "device", "started_at", "ended_at",
+)
+# Keys the controller adds to the provenance of the files it writes: a projection's or what-if grid's
+# reference (and the projection's target spec figures and assumptions, the grid's question and answers);
+# an import's origin, the outside machine, date, source, implementation, notes, spec sheet and link.
+ADDED_PROVENANCE_KEYS = (
+    "reference_run_id", "reference_host", "references", "spec", "assumptions", "what", "answers",
+    "origin", "machine", "date", "source", "impl", "notes", "interconnect",
 )
 
 SCHEMAS: dict[str, pa.Schema] = {
@@ -178,9 +186,10 @@ class SchemaError(ValueError):
     """A result file that does not match the contract; the message names the file and field."""
 
 
-def to_table(name: str, rows: Iterable[Any], provenance: Mapping[str, Any]) -> pa.Table:
+def to_table(name: str, rows: Iterable[Any], provenance: Any) -> pa.Table:
     """Build a table of `name` from rows: engine.rows' typed rows, or dicts (a column a dict leaves out
-    takes its `defaults` value, null where it has none)."""
+    takes its `defaults` value, null where it has none). `provenance`: an engine.rows.Provenance (a key
+    it leaves None is not written) or a dict."""
     schema = SCHEMAS[name]
     rows = [asdict(r) if is_dataclass(r) else r for r in rows]
     unknown = {k for r in rows for k in r} - set(schema.names)
@@ -189,8 +198,14 @@ def to_table(name: str, rows: Iterable[Any], provenance: Mapping[str, Any]) -> p
     defaults = column_defaults(name)
     cols = {f.name: [r.get(f.name, defaults.get(f.name)) for r in rows] for f in schema}
     meta = {"kdbench.schema_version": SCHEMA_VERSION, "kdbench.table": name,
-            "kdbench.provenance": json.dumps(dict(provenance), sort_keys=True)}
+            "kdbench.provenance": json.dumps(_provenance_keys(provenance), sort_keys=True)}
     return pa.Table.from_pydict(cols, schema=schema.with_metadata(meta))
+
+
+def _provenance_keys(provenance: Any) -> dict[str, Any]:
+    if is_dataclass(provenance) and not isinstance(provenance, type):
+        return {k: v for k, v in asdict(provenance).items() if v is not None}
+    return dict(provenance)
 
 
 def table_bytes(table: pa.Table) -> bytes:
@@ -250,91 +265,14 @@ def parse_table(data: bytes, label: str) -> pa.Table:
     if len(data) > MAX_FILE_BYTES:
         raise SchemaError(f"{label}: {len(data)} bytes, over the {MAX_FILE_BYTES}-byte limit")
     try:
-        _refuse_compressed(data, label)
+        refuse_compressed(data)
         table = ipc.open_file(pa.BufferReader(data)).read_all()
-    except SchemaError:
-        raise
+    except IpcRefused as e:
+        raise SchemaError(f"{label}: {e}") from None
     except (pa.ArrowException, ValueError, struct.error) as e:
         why = f"{type(e).__name__}: {str(e)[:200]}"
         raise SchemaError(f"{label}: not a readable Arrow IPC file ({why})") from None
     return validate(table, label)
-
-
-class _FlatTable:
-    """Just enough of a flatbuffers table reader to find one field; every read is bounds-checked
-    (struct.error when out of range, which read_table reports as an unreadable file)."""
-
-    def __init__(self, buf: bytes, pos: int):
-        self.buf, self.pos = buf, pos
-        self.vt = pos - self._at("<i", pos)
-        self.vt_len = self._at("<H", self.vt)
-
-    def _at(self, fmt: str, off: int) -> int:
-        if off < 0 or off + struct.calcsize(fmt) > len(self.buf):
-            raise struct.error("flatbuffer offset out of range")
-        return struct.unpack_from(fmt, self.buf, off)[0]
-
-    def _field(self, i: int) -> int:
-        o = 4 + 2 * i
-        return self._at("<H", self.vt + o) if o + 2 <= self.vt_len else 0
-
-    def scalar(self, i: int, fmt: str) -> int:
-        off = self._field(i)
-        return self._at(fmt, self.pos + off) if off else 0
-
-    def table(self, i: int) -> "_FlatTable | None":
-        off = self._field(i)
-        if not off:
-            return None
-        p = self.pos + off
-        return _FlatTable(self.buf, p + self._at("<I", p))
-
-    def vector(self, i: int) -> tuple[int, int]:
-        """(position of the first element, element count); (0, 0) when absent."""
-        off = self._field(i)
-        if not off:
-            return 0, 0
-        p = self.pos + off
-        v = p + self._at("<I", p)
-        return v + 4, self._at("<I", v)
-
-
-_MAGIC = b"ARROW1"
-_RECORD_BATCH, _DICTIONARY_BATCH = 3, 2  # MessageHeader union tags (Message.fbs)
-
-
-def _refuse_compressed(data: bytes, label: str) -> None:
-    """Walk the file footer's dictionary and record-batch blocks (what the reader will decode) and
-    refuse any whose RecordBatch carries a BodyCompression (Message.fbs field 3)."""
-    if len(data) < 18 or data[:6] != _MAGIC or data[-6:] != _MAGIC:
-        raise SchemaError(f"{label}: not an Arrow IPC file (no ARROW1 magic at both ends)")
-    footer_len = struct.unpack_from("<i", data, len(data) - 10)[0]
-    start = len(data) - 10 - footer_len
-    if footer_len <= 0 or start < 8:
-        raise SchemaError(f"{label}: bad Arrow footer length {footer_len}")
-    footer_buf = data[start:len(data) - 10]
-    footer = _FlatTable(footer_buf, struct.unpack_from("<I", footer_buf, 0)[0])
-    for field in (2, 3):  # Footer.dictionaries, Footer.recordBatches: vectors of Block structs
-        first, count = footer.vector(field)
-        for k in range(count):
-            at = first + 24 * k  # Block: offset int64, metaDataLength int32 (+4 pad), bodyLength int64
-            if at + 24 > len(footer_buf):
-                raise SchemaError(f"{label}: Arrow footer block out of range")
-            offset, meta_len = struct.unpack_from("<qi", footer_buf, at)
-            if offset < 8 or meta_len < 8 or offset + meta_len > start:
-                raise SchemaError(f"{label}: Arrow block outside the file")
-            meta = data[offset:offset + meta_len]
-            skip = 8 if meta[:4] == b"\xff\xff\xff\xff" else 4  # continuation marker, then int32 length
-            body = meta[skip:]
-            message = _FlatTable(body, struct.unpack_from("<I", body, 0)[0])
-            kind, header = message.scalar(1, "<B"), message.table(2)
-            if kind == _DICTIONARY_BATCH and header is not None:
-                header = header.table(1)  # DictionaryBatch.data
-            elif kind != _RECORD_BATCH:
-                raise SchemaError(f"{label}: Arrow block holds message type {kind}, not a batch")
-            if header is not None and header.table(3) is not None:
-                raise SchemaError(f"{label}: compressed Arrow record batches are refused "
-                                  "(kdbench writes them uncompressed)")
 
 
 def _text(meta: dict[bytes, bytes], key: bytes, label: str) -> str:

@@ -20,25 +20,18 @@ KEY_CALLS = {"get", "pop", "setdefault", "column", "select", "drop_columns", "so
 ALL = None  # every column name is allowed there
 
 _TERM = "the step model's term 'host' (flows.analysis.stepmodel.TERMS: host time), not the column"
-_PROV_KEYS = frozenset({"run_id", "host", "gpu_name", "gpu_count", "arch", "device", "started_at", "ended_at",
-                        "reference_run_id"})
-_PROV = "provenance: a file's metadata JSON (engine.schema.PROVENANCE_KEYS and an import's own keys), not a row"
 _FACTS = "a host's probe facts (JSON the host answered, keyed by engine.schema.PROVENANCE_KEYS), not a table row"
 # module -> (the names allowed there, or ALL; why)
 EXCEPTIONS: dict[str, tuple[frozenset[str] | None, str]] = {
     "flows/analysis/importer.py": (ALL, "parses outside CSV/JSON files whose headers are the column names (the "
                                    "import format of docs/running.md) into rows by name: not on typed rows yet"),
-    "flows/analysis/projection.py": (_PROV_KEYS | {"host"}, f"{_PROV}; and {_TERM}"),
-    "flows/analysis/whatif.py": (_PROV_KEYS - {"started_at", "ended_at"} | {"host"}, f"{_PROV}; and {_TERM}"),
-    "flows/analysis/reference.py": (frozenset({"gpu_count"}), _PROV),
+    "flows/analysis/projection.py": (frozenset({"host", "reference_run_id"}),
+                                     f"{_TERM}; and a key of the projected runs rows' note (JSON), not the column"),
+    "flows/analysis/whatif.py": (frozenset({"host"}), _TERM),
     "flows/analysis/backtest.py": (frozenset({"host"}), _TERM),
     "flows/analysis/stepmodel.py": (frozenset({"host", "tp", "context"}),
                                     f"{_TERM}; and the calibration shapes' axes (CAL_AXES: tp, tokens, context)"),
     "flows/analysis/bands.py": (frozenset({"tp"}), "the tp carry's name (and its backtest kind), not the column"),
-    "flows/notes/gather.py": (frozenset({"reference_run_id"}), _PROV),
-    "flows/notes/sections/whatif.py": (frozenset({"reference_run_id"}), _PROV),
-    "flows/notes/sections/outside.py": (frozenset({"impl", "source"}), _PROV),
-    "flows/notes/summary.py": (frozenset({"impl"}), _PROV),
     "flows/notes/sections/projected.py": (frozenset({"bytes"}), "a TpCarry.how word (how rows were re-sharded)"),
     "flows/cli/project.py": (frozenset({"tp", "concurrency", "context", "budget"}), "the command's option names"),
     "flows/pipelines/tasks.py": (frozenset({"points", "status"}),
@@ -51,8 +44,6 @@ EXCEPTIONS: dict[str, tuple[frozenset[str] | None, str]] = {
     "flows/transport/deploy.py": (frozenset({"torch", "triton"}), "package names the host provides"),
     "flows/store/migrate.py": (frozenset({"host", "run_id"}), "lines of the layout-1 store index (JSON)"),
     "flows/store/store.py": (frozenset({"host"}), "the hive partition keys of the dataset view"),
-    "flows/transport/pull.py": (frozenset({"run_id", "host", "payload_hash"}),
-                                "provenance (file metadata keyed by engine.schema.PROVENANCE_KEYS)"),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
@@ -159,20 +160,29 @@ def test_synthetic_int4_codes_average_zero() -> None:
 
 
 def test_typed_rows_are_the_schema_columns_and_refuse_any_other() -> None:
-    """engine.rows: one row class a table, generated from engine.schema (the same columns, each at the
+    """engine.rows: one row class a table, written out from engine.schema (the same columns and types, each at the
     default a file without it means); an unknown column is an error where the row is made; each kernel
     family's shape lands in the stored columns it always used; the states are the schema's."""
     from dataclasses import fields
 
     from engine import rows, schema
 
+    py = {pa.string(): "str", pa.int64(): "int", pa.float64(): "float"}
     for table, cls in rows.ROWS.items():
         assert [f.name for f in fields(cls)] == schema.SCHEMAS[table].names
+        assert [f.type for f in fields(cls)] == [f"{py[c.type]} | None" for c in schema.SCHEMAS[table]]
+        assert cls.__dataclass_params__.frozen and all(f.kw_only for f in fields(cls))
         defaults = schema.column_defaults(table)
         assert {f.name: f.default for f in fields(cls) if f.default is not None} == \
             {k: v for k, v in defaults.items() if v is not None}
     with pytest.raises(TypeError, match="time_us"):
         rows.KernelRow(kernel="moe_w4a16", time_us=1.0)
+    # provenance: the keys a file carries, then the controller's; read ignoring others, written without Nones
+    assert tuple(f.name for f in fields(rows.Provenance)) == schema.PROVENANCE_KEYS + schema.ADDED_PROVENANCE_KEYS
+    prov = rows.Provenance(run_id="r", host="h", references=["a"])
+    table = schema.to_table("comm", [], prov)
+    assert schema.provenance(table) == {"run_id": "r", "host": "h", "references": ["a"]}
+    assert rows.Provenance.of(schema.to_table("comm", [], {"run_id": "r", "other": 1})) == rows.Provenance(run_id="r")
     assert rows.E2ERow().status == "ok" and rows.KernelRow().tp == 1
     assert rows.MoeShape(4, 256, 128, 16, 4).columns() == {"M": 4, "N": 256, "K": 128, "E": 16, "top_k": 4}
     assert rows.MlaShape(2, 16, 1024, 8, 576).columns() == {"batch": 2, "budget": 16, "context": 1024, "N": 8, "K": 576}

@@ -11,9 +11,10 @@ import pytest
 
 from support import stepmodel as synth
 from engine.config import K2, make_config
-from engine.rows import table_rows
+from engine.rows import AcceptShape, MlaShape, MoeShape, TreeShape, table_rows
 from flows.analysis.carrier import Side, memory_gbps
-from flows.analysis.kernelfit import fit_family
+from flows.analysis.families import shape_at
+from flows.analysis.kernelfit import along, fit_family
 from flows.analysis.reference import load_reference, machine_of
 from flows.analysis.stepmemory import RESERVE_BYTES, cache_bytes, memory, weight_bytes
 from flows.analysis.stepmodel import Query, answer, build, in_step_factor, query_of
@@ -106,10 +107,22 @@ def test_the_kernel_model_extrapolates_along_its_roofline(ref) -> None:
     pts = [k for k in table_rows(ref.tables["kernels"], "kernels") if k.kernel == "moe_w4a16"]
     model = fit_family("moe_w4a16", [p for p in pts if p.M <= 64], synth.BW, synth.TF)
     for p in (p for p in pts if p.M > 64):        # held out: the fit on the smaller sizes finds them
-        got, how = model.time_us((p.tp,), {"M": p.M}, p.bytes, p.flops)
+        got, how = model.time_us((p.tp,), MoeShape.of(p), p.bytes, p.flops)
         assert got.value == pytest.approx(p.time_us_p50, rel=1e-6) and got.extrapolated == ("M",) and how == ""
     fit = model.classes[(1,)].fit
     assert fit.latency_us == pytest.approx(synth.MOE[1][0]) and 1e-6 / fit.us_per_flop == pytest.approx(synth.MOE_TF)
+
+
+def test_a_step_runs_each_family_at_its_shape_record_of_one_rank() -> None:
+    """K2 at TP-8 (DESIGN.md): gate_up N = 512 a rank, 8 of the 64 heads; the tree kernels are whole."""
+    assert shape_at("moe_w4a16", K2, 8, tokens=16) == MoeShape(16, 512, 7168, 384, 8)
+    # a rank's intermediate is whole, as engine.bench_kernels records it (an import at TP-3 wrote 1365 rows)
+    assert shape_at("moe_w4a16", K2, 3, tokens=1).gate_up_rows == 2 * 682
+    mla = shape_at("mla_tree_attention", K2, 8, batch=2, budget=32, context=8192)
+    assert mla == MlaShape(2, 32, 8192, 8, 576) and along(mla) == {"batch": 2, "budget": 32, "context": 8192}
+    assert shape_at("build_tree", K2, 1, batch=2, budget=32) == TreeShape(2, 32, K2.draft_len, K2.draft_topk)
+    assert shape_at("tree_accept", K2, 1, batch=2, budget=32) == AcceptShape(2, 32)
+    assert along(MoeShape(16, 512, 7168, 384, 8)) == {"M": 16}   # the axes by the columns the labels name
 
 
 def test_little_law_carries_bytes_in_flight_not_a_share_of_bandwidth(inv: Inventory) -> None:

@@ -26,14 +26,14 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, cast
 
-from engine.rows import COLUMNS, Row
+from engine.rows import COLUMNS, E2ERow, KernelRow
 from engine.schema import CommSource
 from flows.analysis.bands import jackknife
-from flows.analysis.families import (POINT_KEY, SIZE_AXIS, e2e_key, host_side, label, point_key, preferred,
-                                     regime, tp_of)
-from flows.analysis.kernelfit import AXES, class_key, fit_family
+from flows.analysis.families import (POINT_KEY, SHAPES, SIZE_AXIS, e2e_key, host_side, label, point_key, preferred,
+                                     regime, shape_of, tp_of)
+from flows.analysis.kernelfit import class_key, fit_family
 from flows.analysis.projection import ProjectionError, breakdown, measured_ceilings, project, rows_of
 from flows.analysis.reference import Dataset, is_outside, measured_datasets, project_host, unmeasured_hosts
 from flows.analysis.stepmodel import FAMILIES, COLUMN, answer, build, calibration_rows, config_of, query_of
@@ -105,9 +105,9 @@ def summarise(kind: str, ref: str, target: str, fam: str, reg: str, pairs: Seque
                        len(bands) - len(known), tuple(ratios), tuple(str(g) for *_, g in pairs))
 
 
-def _groups(rows: Sequence[Row]) -> dict[tuple, list[Row]]:
+def _groups(rows: Sequence[E2ERow]) -> dict[tuple, list[E2ERow]]:
     """e2e rows by configuration: the acceptance levels of one (tp, C, B, context, depth) are one group."""
-    out: dict[tuple, list[Row]] = {}
+    out: dict[tuple, list[E2ERow]] = {}
     for r in rows:
         out.setdefault(e2e_key(r, without=("synthetic_accept",)), []).append(r)
     return out
@@ -155,7 +155,7 @@ def _line(xs: Sequence[float], ys: Sequence[float]) -> Callable[[float], float]:
 
 def depth(data: Dataset) -> list[BacktestRow]:
     rows = [r for r in rows_of(data.tables, "e2e") if r.source == "measured" and r.step_ms_p50]
-    groups: dict[tuple, list[Row]] = {}
+    groups: dict[tuple, list[E2ERow]] = {}
     for r in rows:
         groups.setdefault(e2e_key(r, without=("layers",)), []).append(r)
     pairs: list[Pair] = []
@@ -176,15 +176,11 @@ def depth(data: Dataset) -> list[BacktestRow]:
 
 # -- size ----------------------------------------------------------------------------------------
 
-def _shape(p: Row, fam: str) -> dict[str, float]:
-    return {a: float(getattr(p, a) or 0) for a in AXES[fam]}
-
-
 def size(data: Dataset) -> list[BacktestRow]:
     kern = [k for k in rows_of(data.tables, "kernels") if k.source == "measured" and not host_side(k)]
     ceil = measured_ceilings(data.tables["runs"], data.machine.spec)
     out = []
-    fams: dict[str, list[Row]] = {}
+    fams: dict[str, list[KernelRow]] = {}
     for k in kern:
         if k.kernel in SIZE_AXIS:
             fams.setdefault(label(k), []).append(k)
@@ -199,7 +195,7 @@ def size(data: Dataset) -> list[BacktestRow]:
         for h in held:
             if model is None or class_key(h) not in model.classes:
                 continue
-            got = model.time_us(class_key(h), _shape(h, fam), h.bytes, h.flops)
+            got = model.time_us(class_key(h), shape_of(h), h.bytes, h.flops)
             if got:
                 pairs.append((h.time_us_p50, got[0].value, point_key(h)))
                 regimes.append(regime(h, *ceil.of(h.dtype)))
@@ -211,7 +207,7 @@ def size(data: Dataset) -> list[BacktestRow]:
     return out
 
 
-def trend(prev: list[Row], to: Row, axis: str) -> tuple[float, float, float]:
+def trend(prev: list[KernelRow], to: KernelRow, axis: str) -> tuple[float, float, float]:
     """Time at `to` by the power law through the two largest of `prev` (sorted along `axis`)."""
     a, b = prev[-2], prev[-1]
     slope = math.log(b.time_us_p50 / a.time_us_p50) / math.log(getattr(b, axis) / getattr(a, axis))
@@ -226,9 +222,9 @@ def tensor_parallel(data: Dataset) -> list[BacktestRow]:
     kern = [k for k in rows_of(data.tables, "kernels") if k.source == "measured" and not host_side(k)]
     ceil = measured_ceilings(data.tables["runs"], data.machine.spec)
     out = []
-    by_fam: dict[str, list[Row]] = {}
+    by_fam: dict[str, list[KernelRow]] = {}
     for k in preferred(kern):
-        if k.kernel in AXES:
+        if k.kernel in SHAPES:
             by_fam.setdefault(label(k), []).append(k)
     for fam_label, pts in sorted(by_fam.items()):
         fam = pts[0].kernel
@@ -238,7 +234,7 @@ def tensor_parallel(data: Dataset) -> list[BacktestRow]:
             continue
         model = fit_family(fam, full, *ceil.of(pts[0].dtype))
         pairs = [(k.time_us_p50, got[0].value, point_key(k)) for k in shard
-                 for got in [model.time_us(class_key(k), _shape(k, fam), k.bytes, k.flops)] if got]
+                 for got in [model.time_us(class_key(k), shape_of(k), k.bytes, k.flops)] if got]
         out.append(summarise("tp", data.name, data.name, fam_label, regime(shard[0], *ceil.of(shard[0].dtype)),
                              pairs, "TP-N shard shapes from the full shapes' kernel model (at the shard's bytes/flops)"))
     e2e = calibration_rows(rows_of(data.tables, "e2e"))
@@ -293,7 +289,7 @@ def compare(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bo
     out = []
     at = POINT_KEY.index("impl")
     drop = lambda k: k[:at] + k[at + 1:] if relax_impl else k  # noqa: E731
-    got: dict[tuple, Row] = {}
+    got: dict[tuple, KernelRow] = {}
     for p in preferred(rows_of(proj, "kernels")) if relax_impl else rows_of(proj, "kernels"):
         got.setdefault(drop(point_key(p)), p)
     fams: dict[str, list[Pair]] = {}
@@ -365,7 +361,7 @@ def store_backtest(store: Store, rows: Iterable[BacktestRow]) -> None:
 def stored_backtest(store: Store) -> list[BacktestRow]:
     """The backtest rows `kdbench backtest` (or the flow) stored last; empty when never run."""
     return [BacktestRow(**{**r, "ratios": tuple(r.get("ratios", ())), "groups": tuple(r.get("groups", ()))})
-            for r in store.get_json(STORED) or []]
+            for r in cast("list[dict[str, Any]]", store.get_json(STORED) or [])]
 
 
 def refresh(store: Store, inv: Inventory, reference: str) -> dict[str, str]:

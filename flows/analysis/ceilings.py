@@ -10,11 +10,11 @@ the reference's measured all-reduce rows when it has any. Pure functions of tabl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Mapping, overload
 
 import pyarrow as pa
 
-from engine.rows import Row, table_rows
+from engine.rows import CommRow, E2ERow, KernelRow, RunRow, table_rows
 from flows.inventory.hosts import Spec
 
 # All-reduce constants used when the reference has no comm measurement of its own.
@@ -40,7 +40,17 @@ class Machine:
 Tables = dict[str, pa.Table]
 
 
-def rows_of(tables: Tables, name: str) -> list[Any]:
+@overload
+def rows_of(tables: Mapping[str, pa.Table], name: Literal["runs"]) -> list[RunRow]: ...
+@overload
+def rows_of(tables: Mapping[str, pa.Table], name: Literal["kernels"]) -> list[KernelRow]: ...
+@overload
+def rows_of(tables: Mapping[str, pa.Table], name: Literal["e2e"]) -> list[E2ERow]: ...
+@overload
+def rows_of(tables: Mapping[str, pa.Table], name: Literal["comm"]) -> list[CommRow]: ...
+@overload
+def rows_of(tables: Mapping[str, pa.Table], name: str) -> list[Any]: ...
+def rows_of(tables: Mapping[str, pa.Table], name: str) -> list[Any]:
     """The typed rows (engine.rows) of one of a run's tables; none where the run lacks the table."""
     return table_rows(tables[name], name) if name in tables else []
 
@@ -124,7 +134,7 @@ class CommModel:
         return allreduce_us(nbytes, n, self.alpha_us, self.link_gbps * self.effs[which])
 
 
-def comm_model(comm_rows: list[Row], ref: Machine, target: Machine) -> CommModel:
+def comm_model(comm_rows: list[CommRow], ref: Machine, target: Machine) -> CommModel:
     """Alpha and link efficiency from the reference's all-reduce measurements, else defaults."""
     link = link_gbps(target.spec, target.interconnect)
     rows = [r for r in comm_rows

@@ -8,7 +8,8 @@ points and e2e rows are keyed when two tables are matched.
 
 from __future__ import annotations
 
-from engine.rows import COLUMNS, Row
+from engine.config import ModelConfig
+from engine.rows import COLUMNS, AcceptShape, DenseShape, E2ERow, KernelRow, MlaShape, MoeShape, Shape, TreeShape
 
 MEMORY, COMPUTE, HOST, LATENCY = "memory", "compute", "host", "latency"
 # A GPU point reaching under this share of both ceilings is bound by latency (serial steps, launches):
@@ -24,6 +25,9 @@ E2E_KEY = (C.config, C.layers, C.tp, C.concurrency, C.budget, C.context, C.synth
 # Term of the e2e step -> kernel families whose time makes it up (verify: per layer).
 TERM_FAMILIES = {C.verify_ms: ("moe_w4a16", "mla_tree_attention"), C.tree_build_ms: ("build_tree",),
                  C.accept_ms: ("tree_accept",)}
+# Each family's shape record (engine.rows): the names of its axes, and the kernels columns they are stored in.
+SHAPES: dict[str, type[Shape]] = {"moe_w4a16": MoeShape, "mla_tree_attention": MlaShape, "build_tree": TreeShape,
+                                  "tree_accept": AcceptShape, DENSE: DenseShape}
 # The size axis of each family: what the size backtest holds out.
 SIZE_AXIS = {"moe_w4a16": C.M, "mla_tree_attention": C.context, "build_tree": C.budget, "tree_accept": C.budget,
              "dense_gemm": C.M}
@@ -31,17 +35,17 @@ E2E_CONTEXT = 512   # context of a short-prompt e2e step (prompts of 256-512 tok
 
 
 
-def label(row: Row) -> str:
+def label(row: KernelRow) -> str:
     """`kernel/impl`, the name a family goes by in tables and notes."""
     return f"{row.kernel}/{row.impl}"
 
 
-def tp_of(row: Row) -> int:
+def tp_of(row: KernelRow | E2ERow) -> int:
     """Tensor-parallel degree of a point or e2e row (1 where the file predates the column)."""
     return int(row.tp or 1)
 
 
-def host_side(row: Row) -> bool:
+def host_side(row: KernelRow) -> bool:
     """Points that run on the host whatever the GPU: CPU kernels and the Python tree references."""
     return row.impl == "cpu" or (row.kernel, row.impl) in HOST_SIDE
 
@@ -50,7 +54,7 @@ def bound(t_bytes: float, t_flops: float) -> str:
     return MEMORY if t_bytes >= t_flops else COMPUTE
 
 
-def regime(row: Row, gbps: float | None, tflops: float | None) -> str:
+def regime(row: KernelRow, gbps: float | None, tflops: float | None) -> str:
     """host, latency, memory or compute: what bounds a measured point on a device of these ceilings."""
     if host_side(row):
         return HOST
@@ -62,25 +66,33 @@ def regime(row: Row, gbps: float | None, tflops: float | None) -> str:
     return bound(t_bytes, t_flops)
 
 
-def point_key(row: Row) -> tuple:
+def point_key(row: KernelRow) -> tuple:
     return tuple(tp_of(row) if k == "tp" else getattr(row, k) for k in POINT_KEY)
 
 
-def e2e_key(row: Row, without: tuple[str, ...] = ()) -> tuple:
+def e2e_key(row: E2ERow, without: tuple[str, ...] = ()) -> tuple:
     return tuple(tp_of(row) if k == "tp" else getattr(row, k) for k in E2E_KEY if k not in without)
 
 
-def step_shapes(e2e: Row) -> dict[str, dict[str, float]]:
-    """The kernel shape each family runs at in one step of an e2e point (attention over the row's
-    prompt length where that is longer than a short-prompt step's context: the context axis)."""
-    conc, budget = e2e.concurrency, e2e.budget
-    context = max(e2e.context or 0, E2E_CONTEXT)
-    return {"moe_w4a16": {C.M: conc * (budget + 1)},
-            "mla_tree_attention": {C.batch: conc, C.budget: budget, C.context: context},
-            "build_tree": {C.batch: conc, C.budget: budget}, "tree_accept": {C.batch: conc, C.budget: budget}}
+def shape_of(row: KernelRow) -> Shape:
+    """The shape a point of a family kdbench models ran at, as that family's shape record."""
+    return SHAPES[row.kernel].of(row)
 
 
-def preferred(rows: list[Row]) -> list[Row]:
+def shape_at(family: str, cfg: ModelConfig, tp: int, tokens: int = 0, batch: int = 0, budget: int = 0,
+             context: int = 0) -> Shape:
+    """The shape one rank of a TP-`tp` deployment of `cfg` runs a family's kernel at, for a step of
+    `tokens` tokens (the MoE) or `batch` sequences of `budget` tree nodes over `context` cached rows."""
+    if family == "moe_w4a16":
+        return MoeShape(tokens, 2 * (cfg.moe_inter // tp), cfg.hidden, cfg.experts, cfg.top_k)
+    if family == "mla_tree_attention":
+        return MlaShape(batch, budget, context, cfg.heads // tp, cfg.kv_lora + cfg.rope_dim)
+    if family == "build_tree":
+        return TreeShape(batch, budget, cfg.draft_len, cfg.draft_topk)
+    return AcceptShape(batch, budget)
+
+
+def preferred(rows: list[KernelRow]) -> list[KernelRow]:
     """The implementation a step runs: the engine's own kernels where the family has them (CUDA or
     Triton, whichever the host ran at each shape), else what there is (the torch reference)."""
     return [r for r in rows if r.impl != "torch"] or rows

@@ -36,7 +36,9 @@ import pyarrow as pa
 
 from engine.config import CONFIGS
 from engine.costs import expected_experts
+from engine.rows import MoeShape, Provenance
 from engine.schema import MANIFEST, MAX_ROWS, CommSource, SchemaError, check_values, manifest_bytes, table_bytes, to_table
+from flows.analysis.families import shape_at
 from flows.analysis.kernelfit import cost_of
 from flows.analysis.reference import OUTSIDE_ORIGINS, is_outside
 from flows.inventory.hosts import INDEX_PAGE, Interconnect, Inventory, is_page_name
@@ -154,9 +156,11 @@ def read_file(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[di
                           "'concurrency' column (serving results)")
 
 
-def check_provenance(label: str, prov: dict[str, Any], inv: Inventory, name: str) -> dict[str, Any]:
+def check_provenance(label: str, prov: dict[str, Any], inv: Inventory, name: str) -> Provenance:
+    """The file's provenance as an import stores it (run `<origin>-<name>`, the GPU of its spec sheet, started
+    at its date), each key checked."""
     where = f"{label}: provenance"
-    out = {k: _text(where, k, prov.get(k)) for k in REQUIRED}
+    machine, date, source = (_text(where, k, prov.get(k)) for k in REQUIRED)
     origin = prov.get("origin", "outside")
     if not isinstance(origin, str) or origin not in OUTSIDE_ORIGINS:
         raise ImportFileError(f"{where}, column 'origin': {str(origin)[:40]!r}, expected one of {OUTSIDE_ORIGINS}")
@@ -181,9 +185,12 @@ def check_provenance(label: str, prov: dict[str, Any], inv: Inventory, name: str
         notes = [notes]
     if not isinstance(notes, list):
         raise ImportFileError(f"{where}, column 'notes': must be text or a list of texts")
-    return {**out, "origin": origin, "host": host, "spec": spec, "gpu_count": gpus, "interconnect": link,
-            "impl": _ident(where, "impl", prov.get("impl", "outside")),
-            "notes": [_text(where, "notes", n, 400) for n in notes]}
+    sheet = inv.specs[spec]
+    return Provenance(run_id=f"{origin}-{name}"[:128], machine=machine, date=date, source=source, origin=origin,
+                      host=host, spec=spec, gpu_name=sheet.gpu, gpu_count=int(gpus), arch=sheet.arch, device="cuda",
+                      started_at=date, interconnect=link,
+                      impl=_ident(where, "impl", prov.get("impl", "outside")),
+                      notes=[_text(where, "notes", n, 400) for n in notes])
 
 
 def kernel_rows(label: str, records: list[dict[str, Any]], run_id: str, impl: str) -> list[dict[str, Any]]:
@@ -208,10 +215,11 @@ def kernel_rows(label: str, records: list[dict[str, Any]], run_id: str, impl: st
             for col in SHAPE[kernel]:
                 if col not in row:
                     raise ImportFileError(f"{where}, column {col!r}: missing ({kernel} needs {', '.join(SHAPE[kernel])})")
-            nbytes, flops = cost_of(kernel, cfg, row, tp)
-            if kernel == "moe_w4a16":
-                row.update(N=2 * cfg.moe_inter // tp, K=cfg.hidden, E=cfg.experts, top_k=cfg.top_k,
-                           expected_experts=expected_experts(cfg.experts, cfg.top_k, row["M"]))
+            shape = shape_at(kernel, cfg, int(tp), tokens=row.get("M", 0), batch=row.get("batch", 0),
+                             budget=row.get("budget", 0), context=row.get("context", 0))
+            nbytes, flops = cost_of(cfg, shape, int(tp))
+            if isinstance(shape, MoeShape):   # its whole shape, from the config; the others keep the columns given
+                row.update(shape.columns(), expected_experts=expected_experts(cfg.experts, cfg.top_k, shape.tokens))
         else:
             if "bytes" not in r or "flops" not in r:
                 raise ImportFileError(f"{where}, column {'bytes' if 'bytes' not in r else 'flops'!r}: kdbench does "
@@ -283,20 +291,18 @@ def import_file(path: Path, name: str, root: str | Path, inv: Inventory, replace
     taken = None if replace else _taken(store, name)
     if taken:
         raise ImportFileError(f"--name {name}: {taken}; choose another --name, or pass --replace to replace it")
-    run_id = f"{prov['origin']}-{name}"[:128]
-    kern = kernel_rows(path.name, kern_in, run_id, prov["impl"])
-    serv = serving_rows(path.name, serv_in, run_id, prov["gpu_count"])
-    spec = inv.specs[prov["spec"]]
-    meta = {"run_id": run_id, "host": prov["host"], "gpu_name": spec.gpu, "gpu_count": prov["gpu_count"],
-            "arch": spec.arch, "device": "cuda", "started_at": prov["date"], **prov}
-    base = {"run_id": run_id, "host": prov["host"], "profile": prov["origin"], "status": "complete",
-            "gpu_name": spec.gpu, "gpu_count": prov["gpu_count"], "arch": spec.arch, "device": "cuda",
-            "started_at": prov["date"], "source": "measured",
-            "note": json.dumps({k: prov[k] for k in ("origin", "machine", "source", "impl")}, sort_keys=True)}
+    run_id = prov.run_id
+    kern = kernel_rows(path.name, kern_in, run_id, prov.impl)
+    serv = serving_rows(path.name, serv_in, run_id, prov.gpu_count)
+    base = {"run_id": run_id, "host": prov.host, "profile": prov.origin, "status": "complete",
+            "gpu_name": prov.gpu_name, "gpu_count": prov.gpu_count, "arch": prov.arch, "device": prov.device,
+            "started_at": prov.date, "source": "measured",
+            "note": json.dumps({"origin": prov.origin, "machine": prov.machine, "source": prov.source,
+                                "impl": prov.impl}, sort_keys=True)}
     suites = [(s, rows, label) for s, rows, label in (("kernels", kern, "kernels"), ("e2e", serv, "serving")) if rows]
-    tables = {s: _checked(f"{path.name}: {label}", to_table(s, rows, meta)) for s, rows, label in suites}
+    tables = {s: _checked(f"{path.name}: {label}", to_table(s, rows, prov)) for s, rows, label in suites}
     tables["runs"] = _checked(f"{path.name}: provenance, runs", to_table(
-        "runs", [{**base, "suite": s, "points": len(rows)} for s, rows, _ in suites], meta))
+        "runs", [{**base, "suite": s, "points": len(rows)} for s, rows, _ in suites], prov))
     folder = f"reference/{name}"
     # runs.arrow goes first and comes back last: a half-written import is never listed as a dataset
     for stale in sorted(store.files_under(folder), key=lambda i: i.base_name != "runs.arrow"):

@@ -23,17 +23,20 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.costs import build_tree_cost, expected_experts, mla_cost, moe_cost, tree_accept_cost
-from engine.rows import COLUMNS, Row
+from engine.rows import AcceptShape, KernelRow, MlaShape, MoeShape, Shape, TreeShape
 from flows.analysis.carrier import Side, memory_gbps
-from flows.analysis.families import host_side, preferred, tp_of
+from flows.analysis.families import SHAPES, host_side, preferred, shape_of, tp_of
 from flows.analysis.interp import Estimate, interpolate
 
-C = COLUMNS
-AXES = {"moe_w4a16": (C.M,), "mla_tree_attention": (C.batch, C.budget, C.context), "build_tree": (C.batch, C.budget),
-        "tree_accept": (C.batch, C.budget), "dense_gemm": (C.M,)}
 SHARED_COMPUTE = {"moe_w4a16"}
 KEPT = {"build_tree", "tree_accept"}     # latency-bound on every GPU: carried unchanged
 Key = tuple                              # a shape class: (tp,) or, for dense GEMMs, (op, tp)
+
+
+def along(shape: Shape) -> dict[str, float]:
+    """A kernel shape as the point `interpolate` reads: its swept axes, each by the kernels column it is
+    stored in (the names an estimate's extrapolated and interpolated labels carry)."""
+    return {shape.COLUMNS[a]: float(getattr(shape, a) or 0) for a in shape.SWEPT}
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,8 @@ class FamilyModel:
 
     @property
     def axes(self) -> tuple[str, ...]:
-        return AXES[self.family]
+        """The swept axes by the kernels column each is stored in (the names an estimate's labels carry)."""
+        return tuple(SHAPES[self.family].COLUMNS[a] for a in SHAPES[self.family].SWEPT)
 
     def pick(self, key: Key) -> tuple[Key, str] | None:
         """The measured class a query of class `key` is carried from, and how ("" when measured)."""
@@ -86,7 +90,7 @@ class FamilyModel:
         near = min(same, key=lambda k: (abs(math.log(k[-1] / key[-1])), k[-1]))
         return near, f"re-sharded from TP-{near[-1]} points"
 
-    def time_us(self, key: Key, shape: Mapping[str, float], nbytes: float, flops: float,
+    def time_us(self, key: Key, shape: Shape, nbytes: float, flops: float,
                 carry: Callable[[str], Carry | None] | None = None) -> tuple[Estimate, str] | None:
         """The family's time at a shape of class `key` (None when the family has no class to carry it from);
         `carry(dtype)` gives the carry to another machine for a class's dtype (None: this machine)."""
@@ -95,22 +99,25 @@ class FamilyModel:
             return None
         cls = self.classes[picked[0]]
         if cls.fit is None:     # time itself along the sweep, its edge trend extended; the same on any GPU
-            return interpolate(cls.samples, shape, self.axes, beyond="slope"), picked[1]
+            return interpolate(cls.samples, along(shape), self.axes, beyond="slope"), picked[1]
         to = carry(cls.dtype) if carry else None
         fit = cls.fit if to is None else to.fit(cls.fit)
-        return interpolate(cls.samples, shape, self.axes).scaled(fit.us(nbytes, flops)), picked[1]
+        return interpolate(cls.samples, along(shape), self.axes).scaled(fit.us(nbytes, flops)), picked[1]
 
 
-def cost_of(fam: str, cfg: ModelConfig, shape: Mapping[str, float], tp: int = 1) -> tuple[float, float]:
-    """(bytes, flops) of a family at a shape (engine.costs), the routed experts at the expected unique count."""
-    if fam == "moe_w4a16":
-        m = int(shape[C.M])
+def cost_of(cfg: ModelConfig, shape: Shape, tp: int = 1) -> tuple[float, float]:
+    """(bytes, flops) of a kernel at a shape (engine.costs) on one rank of TP-`tp`, the routed experts at the
+    expected unique count."""
+    if isinstance(shape, MoeShape):
+        m = int(shape.tokens)
         return moe_cost(cfg, m, expected_experts(cfg.experts, cfg.top_k, m), tp=tp)
-    if fam == "mla_tree_attention":
-        return mla_cost(cfg, int(shape[C.batch]), int(shape[C.budget]), int(shape[C.context]), tp=tp)
-    if fam == "build_tree":
-        return build_tree_cost(cfg, int(shape[C.batch]), int(shape[C.budget]))
-    return tree_accept_cost(cfg, int(shape[C.batch]), int(shape[C.budget]))
+    if isinstance(shape, MlaShape):
+        return mla_cost(cfg, int(shape.batch), int(shape.budget), int(shape.context), tp=tp)
+    if isinstance(shape, TreeShape):
+        return build_tree_cost(cfg, int(shape.batch), int(shape.budget))
+    if isinstance(shape, AcceptShape):
+        return tree_accept_cost(cfg, int(shape.batch), int(shape.budget))
+    raise TypeError(f"no cost of a {type(shape).__name__} here (a dense GEMM's is engine.costs.dense_op_cost)")
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -127,16 +134,16 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
-def class_key(row: Row) -> Key:
+def class_key(row: KernelRow) -> Key:
     return (row.op, tp_of(row)) if row.kernel == "dense_gemm" else (tp_of(row),)
 
 
-def fit_family(name: str, rows: Sequence[Row], gbps: float, tflops: float) -> FamilyModel:
+def fit_family(name: str, rows: Sequence[KernelRow], gbps: float, tflops: float) -> FamilyModel:
     """The family's model from its measured points (the engine's preferred impl at each shape).
 
     Classes with fewer points than parameters fall back to the roofline at the ceilings (with the
     points' own ratio to it)."""
-    groups: dict[Key, list[Row]] = {}
+    groups: dict[Key, list[KernelRow]] = {}
     for r in preferred([r for r in rows if r.kernel == name and not host_side(r)]):
         groups.setdefault(class_key(r), []).append(r)
     shared = name in SHARED_COMPUTE and sum(len(g) >= 2 for g in groups.values()) >= 1
@@ -146,13 +153,13 @@ def fit_family(name: str, rows: Sequence[Row], gbps: float, tflops: float) -> Fa
     classes = {}
     for k in keys:
         fit = None if name in KEPT else fits.get(k) or default
-        samples = tuple(({a: float(getattr(p, a) or 0) for a in AXES[name]},
+        samples = tuple((along(shape_of(p)),
                          p.time_us_p50 / (fit.us(p.bytes, p.flops) if fit else 1.0)) for p in groups[k])
         classes[k] = ShapeClass(fit, samples, k[-1], groups[k][0].dtype)
     return FamilyModel(name, classes)
 
 
-def _fit(keys: list[Key], groups: dict[Key, list[Row]], shared: bool) -> dict[Key, Fit]:
+def _fit(keys: list[Key], groups: dict[Key, list[KernelRow]], shared: bool) -> dict[Key, Fit]:
     """Per class (latency, us/byte, us/flop); with `shared`, one us/flop for all fitted classes."""
     fitted = [k for k in keys if len(groups[k]) >= (3 if not shared else 2)]
     if not fitted:
@@ -176,10 +183,10 @@ def _fit(keys: list[Key], groups: dict[Key, list[Row]], shared: bool) -> dict[Ke
     return out
 
 
-def fit_all(rows: Sequence[Row], ceilings: Any) -> dict[str, FamilyModel]:
+def fit_all(rows: Sequence[KernelRow], ceilings: Any) -> dict[str, FamilyModel]:
     """Every known family's model; `ceilings.of(dtype)` gives the (GB/s, TFLOP/s) of the fallback roofline."""
     out = {}
-    for name in AXES:
+    for name in SHAPES:
         pts = [r for r in rows if r.kernel == name and not host_side(r)]
         if pts:
             out[name] = fit_family(name, pts, *ceilings.of(pts[0].dtype))

@@ -24,8 +24,8 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from engine.rows import COLUMNS, CommRow, E2ERow, Row, RunRow
-from engine.schema import CommSource, PointStatus, provenance, to_table
+from engine.rows import COLUMNS, CommRow, E2ERow, KernelRow, Provenance, RunRow
+from engine.schema import CommSource, PointStatus, to_table
 from flows.analysis.assumptions import (Assumption, BandEvidence, Comm, E2eNotMeasured, E2eWithoutSplit, Kept,
                                         KernelModels, ReferenceCeilings, SkippedPoint, StepModel, TargetCeilings,
                                         TensorParallel, TpCarry, parse, record)
@@ -33,8 +33,8 @@ from flows.analysis.bands import MIN_POINTS, Band, combine, step_band
 from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError,
                                      Tables, allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
 from flows.analysis.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, bound, e2e_key,
-                                     host_side, label, point_key, regime, tp_of)
-from flows.analysis.kernelfit import AXES, class_key
+                                     host_side, label, point_key, regime, shape_of, tp_of)
+from flows.analysis.kernelfit import class_key
 from flows.analysis.stepmodel import (COLUMN, FAMILIES, Model, answer, build, calibration_rows, config_of, query_of,
                                       step_spread)
 
@@ -51,28 +51,28 @@ NOT_MEASURED_LISTED, SKIP_REASON_CHARS = 20, 300
 
 def assumptions(tables: Tables) -> list[Assumption]:
     """The assumption records a projection stored with its tables, typed."""
-    return [parse(a) for a in provenance(tables["runs"]).get("assumptions", [])]
+    return [parse(a) for a in Provenance.of(tables["runs"]).assumptions or []]
 
 
 # -- kernel points ------------------------------------------------------------------------------
 
-def _ideal_us(row: Row, bw_gbps: float, tflops: float) -> tuple[float, float]:
+def _ideal_us(row: KernelRow, bw_gbps: float, tflops: float) -> tuple[float, float]:
     """Roofline times (us) of the point's bytes and flops at the given ceilings."""
     return row.bytes / (bw_gbps * 1e3), row.flops / (tflops * 1e6)
 
 
-def launch_floor(row: Row) -> float:
+def launch_floor(row: KernelRow) -> float:
     return min(LAUNCH_FLOOR_US, 0.5 * row.time_us_p50)
 
 
-def own_effs(row: Row, t_us: float, bw: float, tfl: float) -> tuple[float, float]:
+def own_effs(row: KernelRow, t_us: float, bw: float, tfl: float) -> tuple[float, float]:
     """The point's efficiency on bandwidth and on flops: roofline time over the time above the floor."""
     tb, tf = _ideal_us(row, bw, tfl)
     work = max(t_us - launch_floor(row), 1e-9)
     return tb / work, tf / work
 
 
-def family_effs(rows: Sequence[Row], ceil: Ceilings) -> dict[tuple, dict[str, list[float]]]:
+def family_effs(rows: Sequence[KernelRow], ceil: Ceilings) -> dict[tuple, dict[str, list[float]]]:
     """Per (kernel, impl, dtype): efficiencies of the points bound by each resource, for borrowing."""
     out: dict[tuple, dict[str, list[float]]] = {}
     for r in rows:
@@ -86,7 +86,7 @@ def family_effs(rows: Sequence[Row], ceil: Ceilings) -> dict[tuple, dict[str, li
     return out
 
 
-def project_point(row: Row, ref: tuple[float, float], tgt: tuple[float, float],
+def project_point(row: KernelRow, ref: tuple[float, float], tgt: tuple[float, float],
                   fam: dict[str, list[float]] | None) -> dict[str, Any]:
     """One kernel point on the target: time, low-high band, regime on both sides.
 
@@ -128,21 +128,21 @@ def project_point(row: Row, ref: tuple[float, float], tgt: tuple[float, float],
                 reference_regime=which)
 
 
-def _spread(row: Row) -> float:
+def _spread(row: KernelRow) -> float:
     """Half the point's p10-p90 spread, relative to its median."""
     lo, hi = row.time_us_p10, row.time_us_p90
     return (hi - lo) / 2 / row.time_us_p50 if lo and hi else 0.0
 
 
-def measured_band(row: Row) -> Band:
+def measured_band(row: KernelRow) -> Band:
     """The point's own p10 and p90 over its median: the band of a figure carried to the machine it
     was measured on (multipliers, so a spread wider than the median never makes a time negative)."""
     lo, hi, mid = row.time_us_p10, row.time_us_p90, row.time_us_p50
     return Band(min(lo / mid, 1.0) if lo else 1.0, max(hi / mid, 1.0) if hi else 1.0)
 
 
-def project_kernels(rows: list[Row], model: Model, evidence: Sequence[Any], run_id: str,
-                    ref_run_id: str) -> list[Row]:
+def project_kernels(rows: list[KernelRow], model: Model, evidence: Sequence[Any], run_id: str,
+                    ref_run_id: str) -> list[KernelRow]:
     """Every measured point on the target: by its family's kernel model where kdbench has one (its band
     from the cross-host evidence of that family; the p10-p90 spread on the reference's own machine),
     else by `project_point`."""
@@ -151,7 +151,7 @@ def project_kernels(rows: list[Row], model: Model, evidence: Sequence[Any], run_
     for r in rows:
         fam = model.fams.get(r.kernel)
         got = None if fam is None or host_side(r) else fam.time_us(
-            class_key(r), {a: float(getattr(r, a) or 0) for a in AXES[fam.family]}, r.bytes, r.flops,
+            class_key(r), shape_of(r), r.bytes, r.flops,
             model.carry)
         if got is None:
             p = project_point(r, model.ref_c.of(r.dtype), model.tgt_c.of(r.dtype),
@@ -178,7 +178,7 @@ def project_kernels(rows: list[Row], model: Model, evidence: Sequence[Any], run_
 
 # -- communication ----------------------------------------------------------------------------
 
-def project_comm(model: CommModel, run_id: str) -> list[Row]:
+def project_comm(model: CommModel, run_id: str) -> list[CommRow]:
     if model.n <= 1 or not model.link_gbps:
         why = "one GPU" if model.n <= 1 else "no link bandwidth in the spec sheet"
         return [CommRow(run_id=run_id, op="all_reduce", world_size=model.n, bytes=0, status=PointStatus.SKIPPED,
@@ -196,7 +196,7 @@ def project_comm(model: CommModel, run_id: str) -> list[Row]:
 
 # -- end to end ---------------------------------------------------------------------------------
 
-def breakdown(row: Row) -> dict[str, float]:
+def breakdown(row: E2ERow) -> dict[str, float]:
     """The step split in ms; whatever the terms do not cover of the p50 step counts as other_ms."""
     terms = {t: float(getattr(row, t) or 0.0) for t in TERMS}
     rest = (row.step_ms_p50 or 0.0) - sum(terms.values())
@@ -205,21 +205,21 @@ def breakdown(row: Row) -> dict[str, float]:
     return terms
 
 
-def has_split(row: Row) -> bool:
+def has_split(row: E2ERow) -> bool:
     """Whether the row says how its step divides (an outside serving figure does not)."""
     return any(getattr(row, t) is not None for t in TERMS)
 
 
-def choose_rows(rows: list[Row], tp: int) -> list[Row]:
+def choose_rows(rows: list[E2ERow], tp: int) -> list[E2ERow]:
     """Per e2e point (any TP degree), the row a TP-`tp` target is carried from: the nearest degree."""
-    groups: dict[tuple, list[Row]] = {}
+    groups: dict[tuple, list[E2ERow]] = {}
     for r in rows:
         groups.setdefault(e2e_key(r, without=("tp",)), []).append(r)
     return [min(groups[k], key=lambda r: (abs(tp_of(r) - tp), -tp_of(r))) for k in sorted(groups, key=repr)]
 
 
 def project_e2e(tables: Tables, model: Model, evidence: Sequence[Any], run_id: str,
-                ref_run_id: str) -> tuple[list[Row], list[TpCarry]]:
+                ref_run_id: str) -> tuple[list[E2ERow], list[TpCarry]]:
     """Each measured point as one rank of a TP-(target GPUs) deployment, by the step model. Returns the
     rows and, per source degree, how it was carried."""
     tp = max(model.target.gpus, 1)
@@ -257,8 +257,8 @@ def projected_run_id(target: str, ref_run_id: str) -> str:
 class _Parts:
     run_id: str
     model: Model
-    kproj: list[Row]
-    eproj: list[Row]
+    kproj: list[KernelRow]
+    eproj: list[E2ERow]
     tp_how: list[TpCarry]
     comm: CommModel
     skipped_e2e: int
@@ -292,14 +292,14 @@ def _widen(low: float | None, high: float | None, central: float, o_low: float |
             max(high, o_high if o_high is not None else high, central))
 
 
-def _widen_point(p: Row, o: Row | None) -> Row:
+def _widen_point(p: KernelRow, o: KernelRow | None) -> KernelRow:
     if o is None:
         return p
     low, high = _widen(p.time_us_low, p.time_us_high, o.time_us_p50, o.time_us_low, o.time_us_high)
     return replace(p, time_us_low=low, time_us_high=high)
 
 
-def _widen_e2e(e: Row, o: Row | None) -> Row:
+def _widen_e2e(e: E2ERow, o: E2ERow | None) -> E2ERow:
     if o is None:
         return e
     low, high = _widen(e.tokens_per_s_low, e.tokens_per_s_high, o.tokens_per_s, o.tokens_per_s_low, o.tokens_per_s_high)
@@ -323,14 +323,13 @@ def project(tables: Tables, ref: Machine, target: Machine,
         main.eproj = [_widen_e2e(e, e2e.get(e2e_key(e))) for e in main.eproj]
     refs = [ref_run_id] + [t["runs"].column(COLUMNS.run_id)[0].as_py() for t, _ in also]
     records = [record(a) for a in assumption_records(ref, target, ref_run_id, main, refs)]
-    prov_ref = provenance(tables["runs"])
+    prov_ref = Provenance.of(tables["runs"])
     spec_figs = target.spec.model_dump(exclude={"sources"})
     device = "cpu" if target.spec.arch == "cpu" else "cuda"
-    prov = {"run_id": run_id, "host": target.name, "gpu_name": target.spec.gpu, "gpu_count": target.gpus,
-            "arch": target.spec.arch, "device": device,
-            "started_at": prov_ref.get("started_at"), "ended_at": prov_ref.get("ended_at"),
-            "reference_run_id": ref_run_id, "reference_host": ref.name, "references": refs,
-            "spec": spec_figs, "assumptions": records}
+    prov = Provenance(run_id=run_id, host=target.name, gpu_name=target.spec.gpu, gpu_count=target.gpus,
+                      arch=target.spec.arch, device=device, started_at=prov_ref.started_at, ended_at=prov_ref.ended_at,
+                      reference_run_id=ref_run_id, reference_host=ref.name, references=refs, spec=spec_figs,
+                      assumptions=records)
     if target.gpus > 1 and not any(r.suite == "comm" for r in ref_runs):
         ref_runs.append(replace(ref_runs[0], suite="comm"))
     comm_rows = project_comm(main.comm, run_id)

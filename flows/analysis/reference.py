@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine.rows import COLUMNS
-from engine.schema import SchemaError, check_values, provenance
+from engine.rows import COLUMNS, Provenance
+from engine.schema import SchemaError, check_values
 from flows.analysis.projection import Machine, ProjectionError, Tables, project, rows_of
 from flows.inventory.hosts import Inventory
 from flows.store.layout import StoreError
@@ -37,7 +37,7 @@ class Dataset:
 
 def origin(tables: Tables) -> str:
     """kdbench for kdbench's own runs; published or outside for imported figures."""
-    return str(provenance(tables["runs"]).get("origin") or "kdbench")
+    return str(Provenance.of(tables["runs"]).origin or "kdbench")
 
 
 def is_outside(tables: Tables) -> bool:
@@ -68,10 +68,10 @@ def as_dataset(name: str, tables: Tables, inv: Inventory) -> Dataset:
         except SchemaError as e:
             raise ProjectionError(f"reference {name!r}: {e}") from None
     row = rows_of(tables, "runs")[0]
-    prov = provenance(tables["runs"])
+    prov = Provenance.of(tables["runs"])
+    spec = prov.spec if isinstance(prov.spec, str) else None   # a projection's spec is its figures, not a sheet
     try:
-        machine = machine_of(inv, row.host, prov.get("spec"), prov.get("gpu_count") if prov.get("spec") else None,
-                             prov.get("interconnect"))
+        machine = machine_of(inv, row.host, spec, prov.gpu_count if prov.spec else None, prov.interconnect)
     except ProjectionError:
         raise ProjectionError(f"reference {name!r} ran on host {row.host!r}, which has no spec sheet in "
                               "hosts/specs/ (an imported dataset names one in its provenance: spec)") from None

@@ -33,9 +33,9 @@ from typing import Sequence
 
 from engine.config import CONFIGS, ModelConfig
 from engine.costs import dense_op_cost, dense_op_rows, dense_ops
-from engine.rows import COLUMNS, Row
+from engine.rows import COLUMNS, CommRow, DenseShape, E2ERow, Shape
 from flows.analysis.carrier import SHARE, Side, how
-from flows.analysis.families import E2E_CONTEXT, e2e_key, tp_of
+from flows.analysis.families import E2E_CONTEXT, e2e_key, shape_at, tp_of
 from flows.analysis.interp import Estimate, Sample, interpolate, interpolate_borrowing
 from flows.analysis.kernelfit import Carry, FamilyModel, cost_of, fit_all
 from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, Ceilings, CommModel, Machine, Tables, comm_model,
@@ -117,7 +117,7 @@ class Model:
     target: Machine
     ref_c: Ceilings
     tgt_c: Ceilings
-    comm_rows: tuple[Row, ...]
+    comm_rows: tuple[CommRow, ...]
     cal: Calibration
     ref_run_id: str
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -132,7 +132,7 @@ class Model:
         return Carry(Side.of(self.ref.spec, *self.ref_c.of(dtype)), Side.of(self.target.spec, *self.tgt_c.of(dtype)))
 
 
-def config_of(row: Row) -> ModelConfig:
+def config_of(row: E2ERow) -> ModelConfig:
     return CONFIGS.get(str(row.config).split("/")[0], CONFIGS["k2"])
 
 
@@ -166,18 +166,15 @@ def suite_ms(m: Model, cfg: ModelConfig, q: Query, on_target: bool = True) -> _A
     c, b, tp = q.concurrency, q.budget, q.tp
     tokens = c * (b + 1)
 
-    def timed(name: str, key: tuple, shape: dict[str, float], cost: tuple[float, float]) -> tuple[Estimate, str] | None:
+    def timed(name: str, key: tuple, shape: Shape, cost: tuple[float, float]) -> tuple[Estimate, str] | None:
         fam = m.fams.get(name)
         return fam.time_us(key, shape, *cost, m.carry if on_target else None) if fam else None
 
-    C = COLUMNS
-    for fam, name, shape, count in (("moe", "moe_w4a16", {C.M: tokens}, n["moe_layer"]),
-                                    ("attention", "mla_tree_attention", {C.batch: c, C.budget: b, C.context: q.context},
-                                     layers),
-                                    ("tree", "build_tree", {C.batch: c, C.budget: b}, 1),
-                                    ("tree", "tree_accept", {C.batch: c, C.budget: b}, 1)):
-        sharded = name in ("moe_w4a16", "mla_tree_attention")
-        got = timed(name, (tp,) if sharded else (1,), shape, cost_of(name, cfg, shape, tp if sharded else 1))
+    for fam, name, count in (("moe", "moe_w4a16", n["moe_layer"]), ("attention", "mla_tree_attention", layers),
+                             ("tree", "build_tree", 1), ("tree", "tree_accept", 1)):
+        degree = tp if name in ("moe_w4a16", "mla_tree_attention") else 1   # the tree kernels are not sharded
+        shape = shape_at(name, cfg, degree, tokens=tokens, batch=c, budget=b, context=q.context)
+        got = timed(name, (degree,), shape, cost_of(cfg, shape, degree))
         if got is None:
             acc.notes.append(f"{fam}: no {name} points; left out")
             continue
@@ -187,7 +184,7 @@ def suite_ms(m: Model, cfg: ModelConfig, q: Query, on_target: bool = True) -> _A
         fam, rows = ("lm_head" if op.name in HEADS else "dense"), dense_op_rows(op, cfg, c, b)
         cost = dense_op_cost(op, rows)
         key = (op.name, 1) if op == full.get(op.name) else (op.name, tp)   # a replicated op is timed at TP-1
-        got = timed("dense_gemm", key, {C.M: rows}, cost)
+        got = timed("dense_gemm", key, DenseShape(op.name, rows, op.n, op.k, op.heads), cost)
         if got is None:   # not measured: the roofline at the machine's copy and matmul ceilings
             ceil = m.tgt_c if on_target else m.ref_c
             gbps, tflops = ceil.of(op.dtype)
@@ -204,17 +201,17 @@ def cal_shape(tp: int, tokens: int, context: int | None) -> dict[str, float]:
     return {"tp": tp, "tokens": tokens, "context": context or E2E_CONTEXT}
 
 
-def query_of(row: Row) -> Query:
+def query_of(row: E2ERow) -> Query:
     return Query(tp_of(row), row.concurrency, row.budget, row.context or E2E_CONTEXT,
                  row.accept_len_mean or 0.0, row.layers)
 
 
-def calibration_rows(rows: Sequence[Row]) -> list[Row]:
+def calibration_rows(rows: Sequence[E2ERow]) -> list[E2ERow]:
     """The measured e2e rows a calibration can use: ok, with a step."""
     return [r for r in rows if r.source == "measured" and r.status == "ok" and r.step_ms_p50]
 
 
-def _gpu_ms(row: Row) -> float:
+def _gpu_ms(row: E2ERow) -> float:
     """The row's GPU time a step (the whole step where it was not profiled: then host time is in it)."""
     return row.kernel_ms if row.kernel_ms is not None else row.step_ms_p50
 
@@ -227,7 +224,7 @@ def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def calibrate(m: Model, rows: Sequence[Row]) -> Calibration:
+def calibrate(m: Model, rows: Sequence[E2ERow]) -> Calibration:
     """Per-family in-step/suite factors, gpu_other (fixed + per layer) and host time, from `rows`."""
     factors: dict[str, list[Sample]] = {f: [] for f in SUITE}
     other: dict[tuple, list[tuple[int, float]]] = {}
@@ -297,7 +294,7 @@ def per_layer_at(lines: Sequence[PerLayer], tp: int, tokens: int) -> Estimate:
     return Estimate(got.value, outside, got.interpolated)
 
 
-def in_step_factor(samples: Sequence[Sample], shape: Mapping[str, float]) -> Estimate:
+def in_step_factor(samples: Sequence[Sample], shape: dict[str, float]) -> Estimate:
     """A family's in-step/suite factor at (tp, tokens, context): per TP degree over its own tokens and
     contexts, a degree whose tokens do not reach the query's following the token trend of the nearest
     degree that does (as gpu_other's per-layer lines borrow a slope: the trend, routing spread and
@@ -307,7 +304,7 @@ def in_step_factor(samples: Sequence[Sample], shape: Mapping[str, float]) -> Est
 
 # -- building and answering -------------------------------------------------------------------------
 
-def build(tables: Tables, ref: Machine, target: Machine, rows: Sequence[Row] | None = None) -> Model:
+def build(tables: Tables, ref: Machine, target: Machine, rows: Sequence[E2ERow] | None = None) -> Model:
     """The step model of `target` from a measured run of `ref`, calibrated on `rows` (default: the run's
     measured e2e rows; a backtest passes its calibration side)."""
     ref_c = measured_ceilings(tables["runs"], ref.spec)
@@ -366,7 +363,7 @@ def answer(m: Model, q: Query, cfg: ModelConfig | None = None) -> Step:
                 tuple(dict.fromkeys(inter)), tuple(carries), tuple(dict.fromkeys([*m.notes, *acc.notes])))
 
 
-def step_spread(rows: Sequence[Row]) -> float:
+def step_spread(rows: Sequence[E2ERow]) -> float:
     """The measurement spread of a step: half the range of the steps one configuration measured at its
     acceptance levels, relative to their mean, the median over configurations."""
     groups: dict[tuple, list[float]] = {}

@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from engine.rows import COLUMNS, E2ERow, RunRow
+from engine.rows import COLUMNS, E2ERow, Provenance, RunRow
 from engine.schema import CommSource, PointStatus, RunStatus, to_table
 from flows.analysis.bands import Band, step_band
 from flows.analysis.ceilings import Machine, ProjectionError, Tables, rows_of
@@ -129,11 +129,11 @@ def as_tables(host: str, model: Model, items: Sequence[Answer], run_id: str, wha
         notes.append({"largest": a.largest_text(), "largest_term": s.largest, "share": s.share(s.largest),
                       "interpolated": list(s.interpolated), "extrapolated": list(s.extrapolated),
                       "carries": list(s.carries), "band_unknown": list(a.band.unknown), "notes": list(s.notes)})
-    prov = {"run_id": run_id, "host": host, "gpu_name": spec.gpu, "gpu_count": model.target.gpus, "arch": spec.arch,
-            "device": "cpu" if spec.arch == "cpu" else "cuda", "reference_run_id": model.ref_run_id,
-            "reference_host": model.ref.name, "what": what, "answers": notes}
+    prov = Provenance(run_id=run_id, host=host, gpu_name=spec.gpu, gpu_count=model.target.gpus, arch=spec.arch,
+                      device="cpu" if spec.arch == "cpu" else "cuda", reference_run_id=model.ref_run_id,
+                      reference_host=model.ref.name, what=what, answers=notes)
     runs = [RunRow(run_id=run_id, host=host, suite=SUITE, profile=what, status=RunStatus.COMPLETE, gpu_name=spec.gpu,
-                   gpu_count=model.target.gpus, arch=spec.arch, device=prov["device"], copy_gbps=model.tgt_c.gbps,
+                   gpu_count=model.target.gpus, arch=spec.arch, device=prov.device, copy_gbps=model.tgt_c.gbps,
                    matmul_tflops=model.tgt_c.tflops(), points=len(rows), source="projected",
                    note=f"step model answers from {model.ref.name} run {model.ref_run_id}")]
     return {"runs": to_table("runs", runs, prov), "e2e": to_table("e2e", rows, prov)}

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from engine.rows import COLUMNS
-from engine.schema import SchemaError, provenance
+from engine.rows import COLUMNS, Provenance
+from engine.schema import SchemaError
 from flows.analysis.assumptions import map_strings, parse
 from flows.analysis.backtest import stored_backtest
 from flows.analysis.ceilings import rows_of
@@ -65,13 +65,13 @@ def stored_projection(store: Store, inv: Inventory, name: str) -> Projected | No
     if not runs:
         return None
     run = Run(runs[-1].run_id, store.load(name, runs[-1].run_id))
-    prov = provenance(run.tables["runs"])
-    ref_host, ref_id = prov.get("reference_host", "?"), prov.get("reference_run_id", "?")
+    prov = Provenance.of(run.tables["runs"])
+    ref_host, ref_id = prov.reference_host or "?", prov.reference_run_id or "?"
     ref = next((r for r in measured_runs(store, ref_host) if r.run_id == ref_id), None)
     host = inv.hosts.get(ref_host)
     return Projected(run, ref_host, ref_id, ref, inv.specs.get(host.spec) if host else None,
-                     [parse(a) for a in prov.get("assumptions", []) if isinstance(a, dict)],
-                     list(prov.get("references", [ref_id])))
+                     [parse(a) for a in prov.assumptions or [] if isinstance(a, dict)],
+                     list(prov.references if prov.references is not None else [ref_id]))
 
 
 def gather(store: Store, inv: Inventory) -> list[HostView]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from engine.schema import provenance
+from engine.rows import Provenance
 from flows.analysis.families import tp_of
 from flows.inventory.hosts import Inventory
 from flows.inventory.scrub import md
@@ -40,12 +40,12 @@ def outside_headline(view: HostView) -> str:
     """The outside figures' e2e rows, named by who measured them."""
     parts = []
     for run in view.outside:
-        prov = provenance(run.tables["runs"])
+        prov = Provenance.of(run.tables["runs"])
         for e in sorted(run.rows("e2e"), key=lambda e: e.concurrency):
             if e.tokens_per_s:
                 parts.append(f"{fmt(e.tokens_per_s)} tok/s at C={e.concurrency}")
         if parts:
-            return f"{md(prov.get('origin'))} ({md(prov.get('impl', '-'))}, TP-{tp_of(run.rows('e2e')[0])}): " + \
+            return f"{md(prov.origin)} ({md(prov.impl or '-')}, TP-{tp_of(run.rows('e2e')[0])}): " + \
                 ", ".join(parts)
     return ""
 

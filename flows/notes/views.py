@@ -8,11 +8,11 @@ page's run history and never displaces full data (`pick_source`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, overload
 
 import pyarrow as pa
 
-from engine.rows import Row
+from engine.rows import CommRow, E2ERow, KernelRow, RunRow
 from flows.analysis.assumptions import Assumption
 from flows.analysis.backtest import BacktestRow
 from flows.analysis.ceilings import rows_of
@@ -27,13 +27,23 @@ class Run:
     tables: dict[str, pa.Table]
     _rows: dict[str, list[Any]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    @overload
+    def rows(self, table: Literal["runs"]) -> list[RunRow]: ...
+    @overload
+    def rows(self, table: Literal["kernels"]) -> list[KernelRow]: ...
+    @overload
+    def rows(self, table: Literal["e2e"]) -> list[E2ERow]: ...
+    @overload
+    def rows(self, table: Literal["comm"]) -> list[CommRow]: ...
+    @overload
+    def rows(self, table: str) -> list[Any]: ...
     def rows(self, table: str) -> list[Any]:
         """The table's typed rows (engine.rows), made once a run: every section reads them."""
         if table not in self._rows:
             self._rows[table] = rows_of(self.tables, table)
         return self._rows[table]
 
-    def suite_row(self, suite: str) -> Row | None:
+    def suite_row(self, suite: str) -> RunRow | None:
         """The runs-table row of one suite of this run (None when the run did not include it)."""
         return next((r for r in self.rows("runs") if r.suite == suite), None)
 
@@ -42,7 +52,7 @@ class Run:
         return any(r.status == "partial" for r in self.rows("runs"))
 
     @property
-    def runs_row(self) -> Row:
+    def runs_row(self) -> RunRow:
         rows = self.rows("runs")
         kern = [r for r in rows if r.suite == "kernels"]
         return (kern or rows)[0]
@@ -112,7 +122,7 @@ class HostView:
         return {s: src for s in SUITES if (src := self.source(s)) is not None}
 
 
-def _tier(row: Row) -> int:
+def _tier(row: RunRow) -> int:
     """How well a suite's runs row stands for the host (lower is better): full and complete, full
     and skipped, any other complete or skipped profile (smoke), partial."""
     done = row.status in ("complete", "skipped")
@@ -124,7 +134,7 @@ def _tier(row: Row) -> int:
 def pick_source(runs: Sequence[Run], suite: str) -> Source | None:
     """The latest run (of `runs`, oldest first) holding the suite's best data: complete full-profile
     data whenever there is any, so a later smoke or partial run never displaces it."""
-    best: tuple[int, Run, Row] | None = None
+    best: tuple[int, Run, RunRow] | None = None
     for run in runs:
         row = run.suite_row(suite)
         if row is None or not run.rows(suite):

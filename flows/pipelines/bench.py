@@ -132,19 +132,19 @@ def _headline(store: Store, host: str, run_id: str) -> list[str]:
     tables = store.load(host, run_id)
     out = []
     if "kernels" in tables and tables["kernels"].num_rows:
-        rows = table_rows(tables["kernels"], "kernels")
-        best = max(rows, key=lambda r: r.achieved_gbps or 0.0)
-        out.append(f"kernels: {len(rows)} points over {len({r.kernel for r in rows})} kernels; "
+        kern = table_rows(tables["kernels"], "kernels")
+        best = max(kern, key=lambda r: r.achieved_gbps or 0.0)
+        out.append(f"kernels: {len(kern)} points over {len({r.kernel for r in kern})} kernels; "
                    f"best {best.achieved_gbps or 0:.1f} GB/s ({plain(best.kernel)}, M={best.M})")
     if "e2e" in tables and tables["e2e"].num_rows:
-        rows = table_rows(tables["e2e"], "e2e")
-        best = max(rows, key=lambda r: r.tokens_per_s or 0.0)
-        out.append(f"e2e: {len(rows)} points; best {best.tokens_per_s or 0:.1f} tokens/s "
-                   f"(budget {best.budget}, concurrency {best.concurrency}, accept {best.accept_len_mean or 0:.2f})")
+        e2e = table_rows(tables["e2e"], "e2e")
+        top = max(e2e, key=lambda r: r.tokens_per_s or 0.0)
+        out.append(f"e2e: {len(e2e)} points; best {top.tokens_per_s or 0:.1f} tokens/s "
+                   f"(budget {top.budget}, concurrency {top.concurrency}, accept {top.accept_len_mean or 0:.2f})")
     if "comm" in tables and tables["comm"].num_rows:
-        rows = [r for r in table_rows(tables["comm"], "comm") if r.status == PointStatus.OK]
-        if rows:
-            out.append(f"comm: best bus bandwidth {max(r.busbw_gbps or 0 for r in rows):.1f} GB/s")
+        comm = [r for r in table_rows(tables["comm"], "comm") if r.status == PointStatus.OK]
+        if comm:
+            out.append(f"comm: best bus bandwidth {max(r.busbw_gbps or 0 for r in comm):.1f} GB/s")
     return out
 
 

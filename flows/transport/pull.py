@@ -19,9 +19,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from engine.rows import RunRow, table_rows
+from engine.rows import Provenance, RunRow, table_rows
 from engine.schema import (MANIFEST, MAX_FILE_BYTES, MAX_TEXT, TABLES, RunStatus, SchemaError, check_run_tables,
-                           provenance, read_table, sha256_file, to_table, write_manifest, write_table)
+                           read_table, sha256_file, to_table, write_manifest, write_table)
 from flows.store.layout import check_name
 from flows.store.store import Store
 from flows.transport.remote import Remote, TransferError
@@ -123,9 +123,9 @@ def record_unfinished(pulled: Pulled, run_id: str, host: str, profile: str, unfi
     extra = {suite: (0, f"{why} before the suite wrote any result") for suite, why in unfinished.items()}
     if path.is_file():
         table = read_table(path)
-        rows, prov = table_rows(table, "runs"), provenance(table)
+        rows, prov = table_rows(table, "runs"), Provenance.of(table)
     else:
-        rows, prov = [], {"run_id": run_id, "host": host, "payload_hash": payload_hash}
+        rows, prov = [], Provenance(run_id=run_id, host=host, payload_hash=payload_hash)
         if "runs.arrow" in pulled.quarantined:
             for name in pulled.accepted:
                 points = read_table(pulled.accepted_dir / name).num_rows

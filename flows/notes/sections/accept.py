@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from engine.rows import Row
+from engine.rows import E2ERow
 from flows.analysis.families import tp_of
 from flows.notes.fmt import band_text, fmt
 from flows.notes.pages import AcceptView, Table
@@ -20,7 +20,7 @@ def accept_view(view: HostView, run: Run, rel: str) -> tuple[AcceptView, tuple[L
         why = no_full_depth(run) or "no e2e rows with a figure"
         return AcceptView(None, None, why), ()
     projected = view.kind == "projected"
-    best: dict[tuple, Row] = {}
+    best: dict[tuple, E2ERow] = {}
     for e in rows:
         key = (tp_of(e), e.concurrency, e.synthetic_accept)
         if key not in best or (e.tokens_per_s, -e.budget) > (best[key].tokens_per_s, -best[key].budget):
@@ -42,7 +42,7 @@ def accept_view(view: HostView, run: Run, rel: str) -> tuple[AcceptView, tuple[L
     return AcceptView(Table.of(head, table), f"{rel}/{chart.file}", ""), (chart,)
 
 
-def accept_chart(view: HostView, ordered: list[Row]) -> Lines:
+def accept_chart(view: HostView, ordered: list[E2ERow]) -> Lines:
     """Tokens/s against the measured accepted length, a line per (tp, concurrency), a band where projected."""
     projected = view.kind == "projected"
     series = []

@@ -41,13 +41,13 @@ def comparison(view: HostView) -> Comparison:
     olde = {e2e_key(e): e for e in prev.rows("e2e")}
     point_label = point_labels(cur.rows("e2e"))
     for e in cur.rows("e2e"):
-        o = olde.get(e2e_key(e))
-        if o and o.tokens_per_s and e.tokens_per_s:
-            change = per(e.tokens_per_s, o.tokens_per_s) - 1
+        was = olde.get(e2e_key(e))
+        if was and was.tokens_per_s and e.tokens_per_s:
+            change = per(e.tokens_per_s, was.tokens_per_s) - 1
             flag = "REGRESSION" if change < -NOISE else "faster" if change > NOISE else ""
             flagged += flag == "REGRESSION"
             if flag:
-                rows.append(["e2e tokens/s", point_label(e), fmt(o.tokens_per_s, 0),
+                rows.append(["e2e tokens/s", point_label(e), fmt(was.tokens_per_s, 0),
                              fmt(e.tokens_per_s, 0), share(change, "+.1%"), f"{NOISE:.1%}", flag])
     sentence = (f"Run {md(cur.run_id)} against {md(prev.run_id)} (both {md(profile)} profile): {flagged} "
                 f"regression(s) beyond the noise (the larger of {NOISE:.0%} and the points' p10-p90 spread).")

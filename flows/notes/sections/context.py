@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from engine.rows import Row
+from engine.rows import E2ERow
 from flows.analysis.families import tp_of
 from flows.inventory.scrub import md
 from flows.notes.fmt import band_text, fmt
@@ -13,10 +13,10 @@ from flows.notes.points import at_full_depth, no_full_depth
 from flows.notes.views import HostView, Run
 
 
-def context_series(run: Run) -> dict[tuple, list[Row]]:
+def context_series(run: Run) -> dict[tuple, list[E2ERow]]:
     """Full-depth rows by (tp, concurrency, level, budget), shortest prompt first, where a series
     has two or more prompt lengths: tokens/s against context."""
-    groups: dict[tuple, list[Row]] = {}
+    groups: dict[tuple, list[E2ERow]] = {}
     for e in at_full_depth(run):
         if e.context is not None:
             key = (tp_of(e), e.concurrency, e.synthetic_accept or 0.0, e.budget)
@@ -25,7 +25,7 @@ def context_series(run: Run) -> dict[tuple, list[Row]]:
             if len({e.context for e in v}) > 1}
 
 
-def crossover(name: str, series: list[Row]) -> str:
+def crossover(name: str, series: list[E2ERow]) -> str:
     """Where attention's GPU time a step passes the MoE's along one series, from the rows' own
     per-family split; said to be unknown where the rows have none."""
     split = [e for e in series if e.attention_ms is not None and e.moe_ms is not None]
@@ -34,7 +34,7 @@ def crossover(name: str, series: list[Row]) -> str:
                 "attention and MoE time), so where attention overtakes the MoE is not known.")
     lack = "" if len(split) == len(series) else f" (of the {len(split)} prompt lengths with a per-family split)"
 
-    def at(e: Row) -> str:
+    def at(e: E2ERow) -> str:
         return f"{fmt(e.attention_ms, 2)} vs {fmt(e.moe_ms, 2)} ms a step at {e.context:,} tokens"
 
     over = next((i for i, e in enumerate(split) if e.attention_ms > e.moe_ms), None)
@@ -46,7 +46,7 @@ def crossover(name: str, series: list[Row]) -> str:
             f"{split[over].context:,} tokens{lack} ({at(split[over - 1])}; {at(split[over])}).")
 
 
-def skipped_points(rows: list[Row]) -> tuple[str, ...]:
+def skipped_points(rows: list[E2ERow]) -> tuple[str, ...]:
     """Each skipped e2e point in words: its key, the bytes it needed and the run's reason."""
     out = []
     for e in sorted((e for e in rows if e.status != "ok"), key=lambda e: (tp_of(e), e.concurrency,
@@ -90,7 +90,7 @@ def _series_name(tp: int, conc: int, level: float, budget: int) -> str:
     return f"TP-{tp} C={conc} (level {level:g}, B={budget})"
 
 
-def context_chart(view: HostView, series: dict[tuple, list[Row]]) -> Lines:
+def context_chart(view: HostView, series: dict[tuple, list[E2ERow]]) -> Lines:
     """Tokens/s against context, a line per series, a band where projected."""
     projected = view.kind == "projected"
     lines = [(_series_name(*key), [e.context for e in rows], [e.tokens_per_s for e in rows],

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from engine.rows import Row
+from engine.rows import E2ERow
 from flows.analysis.families import e2e_key, tp_of
 from flows.analysis.projection import TERMS, breakdown
 from flows.inventory.scrub import md
@@ -81,7 +81,7 @@ def e2e_view(view: HostView, rel: str) -> tuple[E2EView | None, tuple[Chart, ...
         (chart, *accept_charts, *context_charts)
 
 
-def _sides(view: HostView, rows: list[Row]) -> Iterator[tuple[Row, str, Row]]:
+def _sides(view: HostView, rows: list[E2ERow]) -> Iterator[tuple[E2ERow, str, E2ERow]]:
     """(point, its name in the tables, the row) for each point: for a projection, the reference's row
     (where it has one) and then the target's, each named by its host."""
     projected = view.kind == "projected"
@@ -97,7 +97,7 @@ def _sides(view: HostView, rows: list[Row]) -> Iterator[tuple[Row, str, Row]]:
             yield e, point_label(e) + (f" {side}" if projected else ""), row
 
 
-def amdahl_chart(view: HostView, rows: list[Row]) -> Amdahl:
+def amdahl_chart(view: HostView, rows: list[E2ERow]) -> Amdahl:
     """The step's shares by family (or by stage, where a row has no family split) at the lowest and the
     highest concurrency: the plot keeps the extremes readable; the tables have every point."""
     projected = view.kind == "projected"

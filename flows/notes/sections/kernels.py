@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.rows import DenseShape, Row
+from engine.rows import DenseShape, KernelRow
 from flows.analysis.families import DENSE, host_side, label, regime, tp_of
 from flows.inventory.scrub import md
 from flows.notes.fmt import band_text, fmt, per, sig
@@ -62,7 +62,7 @@ def roofline_chart(view: HostView, run: Run) -> Roofline | None:
                     f"{view.name}: roofline ({view.kind})")
 
 
-def dense_table(kern: list[Row], copy: float | None, mm: float | None) -> Table | None:
+def dense_table(kern: list[KernelRow], copy: float | None, mm: float | None) -> Table | None:
     """The dense GEMMs, a row per (op, TP degree): us at each M, and the best and worst share of the
     roofline (max(bytes / copy, flops / matmul) over the time) across M."""
     pts = [k for k in kern if k.kernel == DENSE and k.time_us_p50 > 0]
@@ -70,7 +70,7 @@ def dense_table(kern: list[Row], copy: float | None, mm: float | None) -> Table 
         return None
     ms = sorted({k.M for k in pts})
     rows = []
-    def key(k: Row) -> tuple:
+    def key(k: KernelRow) -> tuple:
         s = DenseShape.of(k)
         return s.op or "-", tp_of(k), s.out_features, s.in_features, s.heads or 1
 

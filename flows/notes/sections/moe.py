@@ -3,7 +3,7 @@ each shape as its own line (time per token; share of the copy and spec bandwidth
 
 from __future__ import annotations
 
-from engine.rows import MoeShape, Row
+from engine.rows import KernelRow, MoeShape
 from flows.inventory.scrub import md
 from flows.notes.fmt import band_text, fmt, per, sig
 from flows.notes.pages import MoeTable, MoeView, Table
@@ -15,7 +15,7 @@ from flows.notes.views import HostView, Run
 SHARD_TP = 8            # the shard an 8-GPU box runs: its MoE table is expected beside the full shapes
 
 
-def moe_table(view: HostView, run: Run, pts: list[Row], tp: int) -> MoeTable:
+def moe_table(view: HostView, run: Run, pts: list[KernelRow], tp: int) -> MoeTable:
     copy, mm = ceilings_of(run, view.spec)
     spec_bw = view.spec.mem_bw_gbps if view.spec else None
     projected = view.kind == "projected"

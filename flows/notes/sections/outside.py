@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.schema import provenance
+from engine.rows import Provenance
 from flows.analysis.families import tp_of
 from flows.inventory.scrub import md
 from flows.notes.fmt import fmt, per, sig
@@ -15,14 +15,14 @@ def outside_entries(view: HostView) -> tuple[OutsideEntry, ...]:
     """Imported figures of this machine, beside kdbench's own and never mixed with them."""
     out = []
     for run in view.outside:
-        prov = provenance(run.tables["runs"])
+        prov = Provenance.of(run.tables["runs"])
         e2e, kern = run.rows("e2e"), run.rows("kernels")
-        notes = prov.get("notes")
+        notes = prov.notes
         out.append(OutsideEntry(
-            f"**{md(run.run_id)}** ({md(prov.get('origin'))}): {md(prov.get('machine', '-'))}; "
-            f"{md(prov.get('date', '-'))}; source: {md(prov.get('source', '-'), cap=400)}.",
+            f"**{md(run.run_id)}** ({md(prov.origin)}): {md(prov.machine or '-')}; "
+            f"{md(prov.date or '-')}; source: {md(prov.source or '-', cap=400)}.",
             Table.of(["engine", "config", "layers", "tp", "concurrency", "tokens/s", "TTFT ms", "ITL ms"],
-                     [[md(prov.get("impl", "-")), md(e.config), str(e.layers or "-"), str(tp_of(e)),
+                     [[md(prov.impl or "-"), md(e.config), str(e.layers or "-"), str(tp_of(e)),
                        str(e.concurrency), fmt(e.tokens_per_s), fmt(e.ttft_ms), fmt(e.itl_ms_p50)]
                       for e in sorted(e2e, key=lambda e: e.concurrency)]) if e2e else None,
             Table.of(["kernel", "impl", "M", "us", "us/token", "GB/s"],

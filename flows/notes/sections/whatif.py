@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from engine.rows import Row
-from engine.schema import provenance
+from engine.rows import E2ERow, Provenance
 from flows.analysis.ceilings import rows_of
 from flows.inventory.scrub import md
 from flows.notes.pages import LevelTable, WhatIfView
@@ -20,7 +19,7 @@ def _context(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
 
 
-def _cell(row: Row, note: Mapping[str, Any]) -> str:
+def _cell(row: E2ERow, note: Mapping[str, Any]) -> str:
     if row.status != "ok":
         return md(row.skip_reason or "does not fit")
     band = (f" ({row.tokens_per_s_low:,.0f}-{row.tokens_per_s_high:,.0f})"
@@ -33,10 +32,10 @@ def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
     rows = rows_of(tables, "e2e")
     if not rows:
         return None
-    prov = provenance(tables["runs"])
-    notes = list(prov.get("answers", []))
+    prov = Provenance.of(tables["runs"])
+    notes: list[Any] = list(prov.answers or [])
     notes += [{}] * (len(rows) - len(notes))
-    levels: dict[Any, list[tuple[Row, Mapping[str, Any]]]] = {}
+    levels: dict[Any, list[tuple[E2ERow, Mapping[str, Any]]]] = {}
     for r, n in zip(rows, notes):
         levels.setdefault((r.synthetic_accept, r.accept_len_mean), []).append((r, n if isinstance(n, dict) else {}))
     out = []
@@ -57,7 +56,7 @@ def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
     if unknown:
         lines.append("band unknown where a carry has too little held-out evidence: " + md(", ".join(unknown), cap=400))
     intro = (f"The step model's answers (projected, not measured) at TP-{first.tp}, tree budget {first.budget}, "
-             f"from {md(prov.get('reference_host', '?'))} run {md(prov.get('reference_run_id', '?'))}: tokens/s = C x "
+             f"from {md(prov.reference_host or '?')} run {md(prov.reference_run_id or '?')}: tokens/s = C x "
              "(accepted + 1) / (step + comm), the steady state of a full batch, with its band from the backtests' "
              "held-out errors, and the step's largest term.")
     return WhatIfView(intro, tuple(out), tuple(lines))
