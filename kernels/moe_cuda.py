@@ -33,7 +33,7 @@ from torch import Tensor
 from kernels import cuda_build
 from kernels.moe_configs import (ARCH_SMEM_OPTIN, KERNELS, SWEEP_KERNELS, Bucket, Choice, DeviceLimits, KernelResources, PassConfig,
                                  bucket_of, choose, cuda_prelude, misfit, table_for)
-from kernels.moe_gemm import shape_class
+from kernels.moe_gemm_configs import shape_class
 
 SOURCE = "moe_w4a16.cu"
 MAX_EXPERTS = 1024  # moe_align's one-CTA table
