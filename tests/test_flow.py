@@ -23,7 +23,8 @@ from typing import Iterator
 import pyarrow.dataset as ds
 import pytest
 
-from engine.schema import SchemaError, read_table
+from engine.schema import SchemaError
+from engine.table_files import read_table
 from flows.inventory.files import load_host, retire, update_host
 from flows.pipelines.server import spawn_serve, stop_process, wait_for_deployment
 from flows.store.store import Store
