@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 
 from flows import REPO
 
@@ -20,6 +21,15 @@ def test_every_flows_subpackage_has_a_row() -> None:
     packages = sorted(f"flows/{d.name}/" for d in (REPO / "flows").iterdir() if (d / "__init__.py").is_file())
     assert packages, "flows/ has no subpackages"
     missing = [p for p in packages if p not in _table_paths()]
+    assert not missing, f"README.md's layout table has no row for {missing}"
+
+
+def test_every_top_level_folder_has_a_row() -> None:
+    """Each folder that holds a tracked file (hidden ones aside: tooling, not the project's layout)."""
+    tracked = subprocess.run(["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True).stdout
+    folders = sorted({f"{p.split('/')[0]}/" for p in tracked.splitlines() if "/" in p and not p.startswith(".")})
+    assert "engine/" in folders
+    missing = [f for f in folders if f not in _table_paths()]
     assert not missing, f"README.md's layout table has no row for {missing}"
 
 
