@@ -1,10 +1,11 @@
 // W4A16 MoE grouped GEMM on mma.sync tensor cores, reading K2's own INT4 layout (no repack).
 //
-// Same contract as kernels/moe_gemm.py's split-K pass: one CTA computes, for one block of <= TN
-// token-expert slots routed to expert e (align()'s table), span tiles of BN = WARPS * R * 16 output
-// rows over one KS chunk of K, and writes partials part[split, slot, n]: fp32 for gate_up, bf16 for
-// the weighted down pass (its per-slot outputs: half the bytes fp32 would be, which moe_sum reads
-// back; kernels/NOTES.md v13). Each warp owns R strips of 16 rows of a tile. A stage holds the activations of TA <= TN tokens: at decode sizes
+// Same contract as the Triton split-K pass (kernels/moe_gemm_kernels.py): one CTA computes, for one
+// block of <= TN token-expert slots routed to expert e (the table of kernels/moe_gemm.py's align()),
+// span tiles of BN = WARPS * R * 16 output rows over one KS chunk of K, and writes partials
+// part[split, slot, n]: fp32 for gate_up, bf16 for the weighted down pass (its per-slot outputs: half
+// the bytes fp32 would be, which moe_sum reads back; kernels/NOTES.md v13). Each warp owns R strips
+// of 16 rows of a tile. A stage holds the activations of TA <= TN tokens: at decode sizes
 // (M <= TA, so no expert has more than TA tokens; the caller checks) the rest of the block's 8
 // MMA columns read token 0's and are never stored, and the shared memory saved deepens the ring.
 //
