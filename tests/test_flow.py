@@ -280,7 +280,7 @@ def test_bench_timeout_kills_the_remote_process_group(world: dict, measured: sub
 HOSTILE_BENCH = r"""
 import argparse, sys
 from pathlib import Path
-from engine.schema import to_table, write_table
+from engine.table_files import to_table, write_table
 p = argparse.ArgumentParser()
 for k in ("suite", "profile", "host", "out", "run-id", "payload-hash"):
     p.add_argument("--" + k)
