@@ -1,7 +1,8 @@
 """The CUDA C++ MoE's host side: finding nvcc, building and caching the cubin, the configs, the launches.
 
-The kernel itself runs only on a GPU (engine.build checks it there against the reference at every
-bench M, engine/moe_sweep.py every candidate config); here: what a host without nvcc, or with a
+The kernel itself runs only on a GPU (engine.build runs it there at every bench M and compares it with
+the reference at each sweep's smallest and largest M and at COMPARE_M; engine/moe_sweep.py compares
+every candidate config); here: what a host without nvcc, or with a
 broken one, is told; that the tables only name kernels the source instantiates, at shapes they tile;
 how the limit check and the fallback choose on sm_90, sm_120 and an unknown arch (the driver's
 answers faked); and how a call shape's launches are laid out.
