@@ -3,10 +3,12 @@ dense GEMMs of a step (engine.costs.dense_ops: attention projections, absorbed M
 gate, shared expert, dense layer, lm-head, drafter), at full shapes and one TP rank's shards.
 
 CUDA runs K2 shapes with impl "auto" (the MoE's CUDA C++ kernel where it built and its M bucket
-fits this device, else Triton; Triton for the other kernels), plus the torch reference at a few
-points so the speedup shows; the CPU runs k2-mini shapes on the references. Every point carries the
-bytes it must move and the flops it must do, so it reads against the run's ceilings; the MoE points
-on CUDA also carry host_us, the host's time of one eager call.
+fits this device, else Triton; the MLA's Gluon kernel where kernels.mla_tree_attention picks it for
+the shape and device, else Triton; Triton for tree build and accept; the dense ops as the model runs
+them, in PyTorch), plus the torch reference at a few points so the speedup shows; the CPU runs
+k2-mini shapes on the references. Every point carries the bytes it must move and the flops it must
+do, so it reads against the run's ceilings; the MoE points on CUDA also carry host_us, the host's
+time of one eager call.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`python -m engine.build --arch ARCH --out DIR`: warm and check every kernel the benches use.
 
-On a GPU: each Triton kernel runs at every shape the kernels and e2e suites will ask for (so
-the Triton cache is warm before anything is timed) and is compared with its PyTorch reference at
+On a GPU: each kernel runs as the benches run it (impl "auto": the CUDA MoE where it built, the
+MLA's Gluon kernel where it is picked, else Triton) at every shape the kernels and e2e suites will ask
+for (so the caches are warm before anything is timed) and is compared with its PyTorch reference at
 a few of them: status "ok" or "mismatch" (with the largest error over those shapes: the norm
 relative error ||got - want|| / ||want|| for the tensor kernels, 0 or 1 for the bit-exact tree
 kernels), "reference" where no

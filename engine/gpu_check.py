@@ -29,7 +29,8 @@ from engine.build import rel_err
 from engine.config import K2, SHARD_TP
 from engine.timing import copy_gbps, matmul_tflops, time_op
 from kernels import build_tree, moe_gemm, reference, tree_accept
-from kernels.moe_gemm import SplitConfig as C
+from kernels.moe_gemm_configs import SPLIT_MAX_SLOTS
+from kernels.moe_gemm_configs import SplitConfig as C
 from kernels.reference import Tree
 
 E, H, I, TOPK = K2.experts, K2.hidden, K2.moe_inter, K2.top_k
@@ -143,7 +144,7 @@ def _warm_tc(cfgs: list) -> str:
             ids = torch.rand(m, e, device="cuda").topk(TOPK, -1).indices
             wts = torch.softmax(torch.randn(m, TOPK, device="cuda"), -1)
             for path, c in cfgs:
-                if path == "split" and m * TOPK > moe_gemm.SPLIT_MAX_SLOTS:
+                if path == "split" and m * TOPK > SPLIT_MAX_SLOTS:
                     continue
                 try:
                     moe_gemm.moe_w4a16(x, *w, ids, wts, configs=_pass_cfgs(c), path=path)
@@ -194,7 +195,7 @@ def moe_tc_section(log: Log, bw: float) -> None:
             for path, c in [(None, None), *TC_SWEEP]:  # None: the shipped dispatch (baseline)
                 if log.time_left() < 40:
                     break
-                if (path == "split" and m * TOPK > moe_gemm.SPLIT_MAX_SLOTS) or (c and not _pass_cfgs(c)["gate_up"].tensor_cores and m > 16):
+                if (path == "split" and m * TOPK > SPLIT_MAX_SLOTS) or (c and not _pass_cfgs(c)["gate_up"].tensor_cores and m > 16):
                     continue  # the FMA GEMV scales with the slots: decode sizes only
                 try:
                     err = rel_err(run(tp, m, 0, path, c), ref)

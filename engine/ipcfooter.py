@@ -1,7 +1,7 @@
 """A bounds-checked look into an Arrow IPC file's footer, before pyarrow decodes any of it.
 
 Why: a compressed record batch states its own unpacked size, so a small file from a host could make the
-reader allocate gigabytes; engine.schema.parse_table calls `refuse_compressed` first. Every read here is
+reader allocate gigabytes; engine.table_files.parse_table calls `refuse_compressed` first. Every read here is
 bounds-checked: struct.error when out of range, IpcRefused for a file that is not what kdbench writes.
 """
 
@@ -16,7 +16,7 @@ class IpcRefused(ValueError):
 
 class _FlatTable:
     """Just enough of a flatbuffers table reader to find one field; every read is bounds-checked
-    (struct.error when out of range, which engine.schema.parse_table reports as an unreadable file)."""
+    (struct.error when out of range, which engine.table_files.parse_table reports as an unreadable file)."""
 
     def __init__(self, buf: bytes, pos: int):
         self.buf, self.pos = buf, pos

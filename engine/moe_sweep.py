@@ -36,7 +36,7 @@ from engine.config import SHARD_TP
 from engine.timing import METHOD, time_op
 from kernels import moe_cuda, reference
 from kernels.moe_configs import KERNELS, SWEEP_KERNELS, Bucket, PassConfig, table_for
-from kernels.moe_gemm import shape_class
+from kernels.moe_gemm_configs import shape_class
 
 TP = {"full": 1, "shard": SHARD_TP}
 SPANS = {("full", "gate_up"): (1, 2), ("full", "down"): (1, 2), ("shard", "gate_up"): (1, 2),

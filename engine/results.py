@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from engine import schema
+from engine import schema, table_files
 from engine.env import now_iso
 from engine.rows import ROWS, RunRow, set_columns
 from engine.schema import RunStatus
@@ -77,7 +77,7 @@ class SuiteWriter:
         if not path.exists():
             return []
         try:
-            rows = schema.read_table(path).to_pylist()
+            rows = table_files.read_table(path).to_pylist()
         except schema.SchemaError:
             return []
         return [RunRow(**r) for r in rows if (r["run_id"], r["suite"]) != (self.prov["run_id"], self.suite)]
@@ -89,8 +89,8 @@ class SuiteWriter:
                    points=len(self.rows), source="measured")
         run = RunRow(**run)
         with _critical():
-            schema.write_table(self.out, schema.to_table(self.suite, self.rows, self.prov))
-            schema.write_table(self.out, schema.to_table("runs", self.other_runs + [run], self.prov))
+            table_files.write_table(self.out, table_files.to_table(self.suite, self.rows, self.prov))
+            table_files.write_table(self.out, table_files.to_table("runs", self.other_runs + [run], self.prov))
 
     def start(self, **run_fields: Any) -> None:
         """First write: the runs row (with ceilings) and an empty suite table, status partial."""

@@ -6,7 +6,7 @@ tests/test_engine_units.py checks that every row class has exactly its table's c
 column's type, each defaulting to what a file that leaves the column out means (null, or
 `schema.column_defaults`), and that `Provenance` has the schema's provenance keys. A row is a frozen
 dataclass of keyword fields: an unknown column is a TypeError where the row is made, not a wrong file
-later. `schema.to_table` takes these rows.
+later. `table_files.to_table` takes these rows.
 
 The kernels table keeps its generic shape columns (M, N, K, E, top_k, batch, budget, context, op:
 schema v4), which mean different things in different families. Each family's shape record below
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, overload
 
 import pyarrow as pa
 
-from engine import schema
+from engine import schema, table_files
 
 if TYPE_CHECKING:   # the controller reads rows without torch, which engine.timing imports
     from engine.timing import Timing
@@ -159,7 +159,7 @@ class CommRow:
 class Provenance:
     """A result file's provenance (its metadata JSON): engine.schema.PROVENANCE_KEYS, where the run ran,
     then the controller's ADDED_PROVENANCE_KEYS. Read with `of`, which ignores keys it does not know; a
-    key left None is not written (`schema.to_table`)."""
+    key left None is not written (`table_files.to_table`)."""
 
     run_id: str
     host: str | None = None
@@ -192,9 +192,9 @@ class Provenance:
 
     @classmethod
     def of(cls, table: pa.Table) -> Provenance:
-        """The provenance of a checked table (its run_id a string: `schema.validate`)."""
+        """The provenance of a checked table (its run_id a string: `table_checks.validate`)."""
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in schema.provenance(table).items() if k in known})
+        return cls(**{k: v for k, v in table_files.provenance(table).items() if k in known})
 
 
 Row = RunRow | KernelRow | E2ERow | CommRow

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 from functools import cache
@@ -37,6 +38,7 @@ NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17")
 HOST_FLAGS = ("-shared", "-O2", "-cudart", "none", "-Xcompiler", "-fPIC")
 LAUNCHER = "launch_chain.c"
 NVCC_TIMEOUT_S = 600
+_QUOTED_INCLUDE = re.compile(rb'^#include "([^"/]+)"', re.MULTILINE)
 DEFAULT_NVCC = Path("/usr/local/cuda/bin/nvcc")
 _MAX_DYNAMIC_SMEM = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 # cuda.h's CUdevice_attribute values read by device_attribute
@@ -103,10 +105,20 @@ def cache_dir() -> Path:
 def compile_cubin(source: Path, arch: str, prelude: str = "") -> Path:
     """The cached cubin of `source` for `arch`, compiled after `prelude` (source text: what the host
     decides for this build, e.g. the MoE's layout and kernel list) now if missing (atomic: tmp file,
-    then rename). nvcc reads prelude + source as one file whose lines name `source` (a #line)."""
+    then rename). nvcc reads prelude + source as one file whose lines name `source` (a #line). The
+    headers `source` includes by quotes lie beside it (found there, one level: they include none)
+    and are part of the cache key, so editing one builds a new cubin."""
     num = arch.removeprefix("sm_")
-    text = f'{prelude}#line 1 "{source.name}"\n'.encode() + source.read_bytes()
-    return _build(source, text, ".cu", f"-{arch}", ".cubin", (*NVCC_FLAGS, f"-gencode=arch=compute_{num},code=sm_{num}"))
+    body = source.read_bytes()
+    text = f'{prelude}#line 1 "{source.name}"\n'.encode() + body
+    headers = []
+    for name in _QUOTED_INCLUDE.findall(body):
+        header = source.parent / name.decode()
+        if not header.is_file():
+            raise CudaUnavailable(f"{source.name} includes {name.decode()!r}, which is not beside it")
+        headers.append(header.read_bytes())
+    return _build(source, text, ".cu", f"-{arch}", ".cubin", (*NVCC_FLAGS, f"-gencode=arch=compute_{num},code=sm_{num}"),
+                  b"\0".join(headers), source.parent)
 
 
 def compile_host_library(source: Path) -> Path:
@@ -115,11 +127,13 @@ def compile_host_library(source: Path) -> Path:
     return _build(source, source.read_bytes(), ".c", "", ".so", HOST_FLAGS)
 
 
-def _build(source: Path, text: bytes, unit_suffix: str, tag: str, suffix: str, flags: tuple[str, ...]) -> Path:
-    """nvcc `flags` on `text` (named `source` in messages), cached by the hash of text, nvcc version and flags."""
+def _build(source: Path, text: bytes, unit_suffix: str, tag: str, suffix: str, flags: tuple[str, ...],
+           headers: bytes = b"", include: Path | None = None) -> Path:
+    """nvcc `flags` on `text` (named `source` in messages), cached by the hash of text, the `headers` it
+    includes (found in `include`), nvcc version and flags."""
     nvcc = nvcc_path()
     version = nvcc_version(nvcc)
-    key = hashlib.sha256(b"\0".join([text, version.encode(), " ".join(flags).encode()])).hexdigest()
+    key = hashlib.sha256(b"\0".join([text, headers, version.encode(), " ".join(flags).encode()])).hexdigest()
     out = cache_dir() / f"{source.stem}{tag}-{key[:16]}{suffix}"
     if out.is_file():
         return out
@@ -128,8 +142,8 @@ def _build(source: Path, text: bytes, unit_suffix: str, tag: str, suffix: str, f
     unit = out.with_suffix(f".{os.getpid()}{unit_suffix}")
     unit.write_bytes(text)
     try:
-        res = subprocess.run([nvcc, *flags, "-o", str(tmp), str(unit)], capture_output=True, text=True,
-                             timeout=NVCC_TIMEOUT_S)
+        res = subprocess.run([nvcc, *flags, *([f"-I{include}"] if include else []), "-o", str(tmp), str(unit)],
+                             capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise CudaUnavailable(f"nvcc took over {NVCC_TIMEOUT_S} s on {source.name}") from None
     finally:

@@ -1,4 +1,5 @@
-"""W4A16 MoE on mma.sync tensor cores in CUDA C++ (kernels/moe_w4a16.cu), built by the host's nvcc.
+"""W4A16 MoE on mma.sync tensor cores in CUDA C++ (kernels/moe_w4a16.cu and the two headers it includes:
+moe_w4a16_ptx.cuh, the inline PTX; moe_w4a16_gemm.cuh, the GEMM pass), built by the host's nvcc.
 
 The passes of kernels/moe_gemm.py's grouped path, the block table and both projections in CUDA:
 moe_align (slots grouped by expert, one launch instead of torch's sort and scans), then per
@@ -33,7 +34,7 @@ from torch import Tensor
 from kernels import cuda_build
 from kernels.moe_configs import (ARCH_SMEM_OPTIN, KERNELS, SWEEP_KERNELS, Bucket, Choice, DeviceLimits, KernelResources, PassConfig,
                                  bucket_of, choose, cuda_prelude, misfit, table_for)
-from kernels.moe_gemm import shape_class
+from kernels.moe_gemm_configs import shape_class
 
 SOURCE = "moe_w4a16.cu"
 MAX_EXPERTS = 1024  # moe_align's one-CTA table

@@ -30,7 +30,7 @@ __all__ = ["Tree", "Impl", "moe_impl", "moe_w4a16", "mla_impl", "mla_tree_attent
 @cache
 def kernel_module(name: str) -> ModuleType | None:
     """kernels.<name> if it imports here, else None. Every kernel module imports Triton (the CUDA C++
-    MoE's too: it shares moe_gemm's shape classes), so on a host without Triton all are None."""
+    MoE's too), so on a host without Triton all are None."""
     try:
         return importlib.import_module(f"kernels.{name}")
     except ImportError:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from engine.schema import SchemaError, provenance
+from engine.schema import SchemaError
+from engine.table_files import provenance
 from flows.analysis.assumptions import (BandEvidence, Comm, Kept, KernelModels, Other, ReferenceCeilings, StepModel,
                                TargetCeilings, TensorParallel, parse, record)
 from flows.analysis.projection import assumptions, project

@@ -21,6 +21,7 @@ ALL = None  # every column name is allowed there
 
 _TERM = "the step model's term 'host' (flows.analysis.stepmodel.TERMS: host time), not the column"
 _FACTS = "a host's probe facts (JSON the host answered, keyed by engine.schema.PROVENANCE_KEYS), not a table row"
+_FACT_KEYS = frozenset({"python", "torch", "triton", "driver", "gpu_count"})
 # module -> (the names allowed there, or ALL; why)
 EXCEPTIONS: dict[str, tuple[frozenset[str] | None, str]] = {
     "flows/analysis/importer.py": (ALL, "parses outside CSV/JSON files whose headers are the column names (the "
@@ -36,8 +37,8 @@ EXCEPTIONS: dict[str, tuple[frozenset[str] | None, str]] = {
     "flows/cli/project.py": (frozenset({"tp", "concurrency", "context", "budget"}), "the command's option names"),
     "flows/pipelines/tasks.py": (frozenset({"points", "status"}),
                                  "a build.json kernel's status and the flow's own tally of a suite's points, not rows"),
-    "flows/transport/probe.py": (ALL, _FACTS),
-    "flows/cli/hosts.py": (ALL, _FACTS),
+    "flows/transport/probe.py": (_FACT_KEYS, _FACTS),
+    "flows/cli/hosts.py": (_FACT_KEYS, _FACTS),
     "flows/pipelines/bench.py": (frozenset({"host", "run_id", "profile"}),
                                  "Prefect artifact tables and flow parameters, named like the columns"),
     "flows/pipelines/deployments.py": (frozenset({"host"}), "a Prefect flow parameter"),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import bench_kernels, comm_model, costs, schema
+from engine import bench_kernels, comm_model, costs, files, schema, table_files
 from engine.rows import CommRow
 from flows import REPO
 
@@ -28,11 +28,11 @@ def _events(stdout: str) -> list[dict]:
 
 
 def _check_manifest(out: Path) -> dict:
-    man = json.loads((out / schema.MANIFEST).read_text())
+    man = json.loads((out / table_files.MANIFEST).read_text())
     assert man["schema_version"] == schema.SCHEMA_VERSION
     assert set(man["files"]) == {p.name for p in out.glob("*.arrow")}
     for name, digest in man["files"].items():
-        assert schema.sha256_file(out / name) == digest
+        assert files.sha256_file(out / name) == digest
     return man
 
 
@@ -51,9 +51,9 @@ def smoke_dir(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
 def test_smoke_writes_valid_tables_and_manifest(smoke_dir):
     out, _ = smoke_dir
     _check_manifest(out)
-    tables = {n: schema.read_table(out / f"{n}.arrow") for n in schema.TABLES}
+    tables = {n: table_files.read_table(out / f"{n}.arrow") for n in schema.TABLES}
     for name, t in tables.items():
-        prov = schema.provenance(t)
+        prov = table_files.provenance(t)
         assert set(schema.PROVENANCE_KEYS) <= set(prov), name
         assert (prov["run_id"], prov["host"], prov["payload_hash"], prov["device"]) == ("run-1", "sb-1", "abc123", "cpu")
         assert prov["started_at"] <= prov["ended_at"]
@@ -67,7 +67,7 @@ def test_smoke_writes_valid_tables_and_manifest(smoke_dir):
 
 def test_kernel_points_cover_every_op_with_costs(smoke_dir):
     out, _ = smoke_dir
-    rows = schema.read_table(out / "kernels.arrow").to_pylist()
+    rows = table_files.read_table(out / "kernels.arrow").to_pylist()
     assert {r["kernel"] for r in rows} == {"moe_w4a16", "mla_tree_attention", "build_tree", "tree_accept", "dense_gemm"}
     for r in rows:
         assert r["bytes"] > 0 and r["flops"] > 0 and r["repeats"] > 0
@@ -92,7 +92,7 @@ def test_kernel_points_cover_every_op_with_costs(smoke_dir):
 
 def test_e2e_rows_split_each_step(smoke_dir):
     out, _ = smoke_dir
-    rows = schema.read_table(out / "e2e.arrow").to_pylist()
+    rows = table_files.read_table(out / "e2e.arrow").to_pylist()
     key = ("tp", "layers", "synthetic_accept", "concurrency", "budget", "context")
     assert len({tuple(r[k] for k in key) for r in rows}) == len(rows) >= 2
     assert {r["tp"] for r in rows} == {1, 2}
@@ -117,21 +117,21 @@ def test_e2e_context_axis_rows_carry_their_prompt_length(smoke_dir):
     """The CPU smoke profile's context axis: prompts of exactly 64 and 256 tokens at TP-2, C = 1,
     level 0.8, budget 16, beside the short sweep (prompts of 8-32 tokens)."""
     out, _ = smoke_dir
-    rows = schema.read_table(out / "e2e.arrow").to_pylist()
+    rows = table_files.read_table(out / "e2e.arrow").to_pylist()
     long = sorted((r for r in rows if r["context"] > 32), key=lambda r: r["context"])
     assert [(r["context"], r["tp"], r["concurrency"], r["budget"], r["synthetic_accept"]) for r in long] == \
         [(64, 2, 1, 16, 0.8), (256, 2, 1, 16, 0.8)]
     assert all(r["ttft_ms"] > 0 and r["tokens_per_s"] > 0 for r in long)
     assert long[0]["memory_bytes"] < long[1]["memory_bytes"]
     assert all(8 <= r["context"] <= 32 for r in rows if r not in long)
-    note = schema.read_table(out / "runs.arrow").to_pylist()
+    note = table_files.read_table(out / "runs.arrow").to_pylist()
     assert "context axis: prompts of exactly 64 (C=1), 256 (C=1) tokens at tp=2" in \
         next(r["note"] for r in note if r["suite"] == "e2e")
 
 
 def test_comm_skipped_on_cpu_with_reason(smoke_dir):
     out, events = smoke_dir
-    rows = schema.read_table(out / "comm.arrow").to_pylist()
+    rows = table_files.read_table(out / "comm.arrow").to_pylist()
     assert len(rows) == 1 and rows[0]["status"] == "skipped" and "GPU" in rows[0]["skip_reason"]
     assert events["comm"][-1] == {"event": "done", "suite": "comm", "status": "skipped", "points": 1}
 
@@ -144,7 +144,7 @@ def test_progress_lines_one_per_point(smoke_dir):
         assert [e["i"] for e in points] == list(range(1, len(points) + 1))
         assert {e["n"] for e in points} == {len(points)} and all(e["suite"] == suite for e in points)
         assert ev[-1]["event"] == "done" and ev[-1]["status"] == "complete"
-        assert schema.read_table(out / f"{suite}.arrow").num_rows == len(points)
+        assert table_files.read_table(out / f"{suite}.arrow").num_rows == len(points)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
@@ -166,8 +166,8 @@ def test_killed_run_leaves_readable_partial_files(tmp_path, sig):
             proc.kill()
             proc.wait()
     assert rc == (-9 if sig == signal.SIGKILL else 143)
-    e2e = schema.read_table(tmp_path / "e2e.arrow")
-    runs = schema.read_table(tmp_path / "runs.arrow").to_pylist()
+    e2e = table_files.read_table(tmp_path / "e2e.arrow")
+    runs = table_files.read_table(tmp_path / "runs.arrow").to_pylist()
     assert e2e.num_rows >= 1
     assert [(r["suite"], r["status"]) for r in runs] == [("e2e", "partial")]
     assert runs[0]["points"] == e2e.num_rows
@@ -182,18 +182,18 @@ def test_a_saved_point_is_announced_when_sigterm_arrives_while_it_is_written(tmp
     w = results.SuiteWriter(tmp_path, "comm", "smoke", {"run_id": "run-s", "host": "sb-1"}, 2)
     w.start()
     capsys.readouterr()
-    write = schema.write_table
+    write = table_files.write_table
 
     def write_then_signal(out: Path, table: object) -> Path:
         path = write(out, table)
         results._on_signal(signal.SIGTERM, None)  # as the handler does when SIGTERM lands here
         return path
 
-    monkeypatch.setattr(schema, "write_table", write_then_signal)
+    monkeypatch.setattr(table_files, "write_table", write_then_signal)
     with pytest.raises(results.Terminated):
         w.add(CommRow(op="all_reduce", world_size=2, bytes=1024, status="ok"))
     assert [(e["event"], e["i"]) for e in _events(capsys.readouterr().out)] == [("point", 1)]
-    assert schema.read_table(tmp_path / "comm.arrow").num_rows == 1
+    assert table_files.read_table(tmp_path / "comm.arrow").num_rows == 1
 
 
 def test_build_cpu_checks_references(tmp_path):

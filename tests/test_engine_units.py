@@ -165,7 +165,7 @@ def test_typed_rows_are_the_schema_columns_and_refuse_any_other() -> None:
     family's shape lands in the stored columns it always used; the states are the schema's."""
     from dataclasses import fields
 
-    from engine import rows, schema
+    from engine import rows, schema, table_files
 
     py = {pa.string(): "str", pa.int64(): "int", pa.float64(): "float"}
     for table, cls in rows.ROWS.items():
@@ -180,9 +180,10 @@ def test_typed_rows_are_the_schema_columns_and_refuse_any_other() -> None:
     # provenance: the keys a file carries, then the controller's; read ignoring others, written without Nones
     assert tuple(f.name for f in fields(rows.Provenance)) == schema.PROVENANCE_KEYS + schema.ADDED_PROVENANCE_KEYS
     prov = rows.Provenance(run_id="r", host="h", references=["a"])
-    table = schema.to_table("comm", [], prov)
-    assert schema.provenance(table) == {"run_id": "r", "host": "h", "references": ["a"]}
-    assert rows.Provenance.of(schema.to_table("comm", [], {"run_id": "r", "other": 1})) == rows.Provenance(run_id="r")
+    table = table_files.to_table("comm", [], prov)
+    assert table_files.provenance(table) == {"run_id": "r", "host": "h", "references": ["a"]}
+    other = table_files.to_table("comm", [], {"run_id": "r", "other": 1})
+    assert rows.Provenance.of(other) == rows.Provenance(run_id="r")
     assert rows.E2ERow().status == "ok" and rows.KernelRow().tp == 1
     assert rows.MoeShape(4, 256, 128, 16, 4).columns() == {"M": 4, "N": 256, "K": 128, "E": 16, "top_k": 4}
     assert rows.MlaShape(2, 16, 1024, 8, 576).columns() == {"batch": 2, "budget": 16, "context": 1024, "N": 8, "K": 576}
@@ -196,11 +197,11 @@ def test_typed_rows_are_the_schema_columns_and_refuse_any_other() -> None:
         assert type(s).of(rows.KernelRow(kernel="k", time_us_p50=1.0, tp=8, **s.columns())) == s
     assert schema.STATES["runs"]["status"] == tuple(schema.RunStatus) == ("complete", "partial", "skipped")
     assert schema.STATES["e2e"]["status"] == schema.STATES["comm"]["status"] == tuple(schema.PointStatus)
-    table = schema.to_table("e2e", [rows.E2ERow(run_id="r", config="k2", device="cpu", concurrency=1, budget=16,
+    table = table_files.to_table("e2e", [rows.E2ERow(run_id="r", config="k2", device="cpu", concurrency=1, budget=16,
                                                 source="measured", status=schema.PointStatus.SKIPPED)], {"run_id": "r"})
     assert table.column("status").to_pylist() == ["skipped"] and table.column("tp").to_pylist() == [1]
     assert tuple(schema.CommSource) == ("measured", "modelled", "none")   # the stored words, as before the enum
-    table = schema.to_table("e2e", [rows.E2ERow(run_id="r", config="k2", device="cpu", concurrency=1, budget=16,
+    table = table_files.to_table("e2e", [rows.E2ERow(run_id="r", config="k2", device="cpu", concurrency=1, budget=16,
                                                 source="measured", comm_source=schema.CommSource.MODELLED)],
                             {"run_id": "r"})
     assert table.column("comm_source").to_pylist() == ["modelled"]

@@ -23,7 +23,8 @@ from typing import Iterator
 import pyarrow.dataset as ds
 import pytest
 
-from engine.schema import SchemaError, read_table
+from engine.schema import SchemaError
+from engine.table_files import read_table
 from flows.inventory.files import load_host, retire, update_host
 from flows.pipelines.server import spawn_serve, stop_process, wait_for_deployment
 from flows.store.store import Store
@@ -279,7 +280,7 @@ def test_bench_timeout_kills_the_remote_process_group(world: dict, measured: sub
 HOSTILE_BENCH = r"""
 import argparse, sys
 from pathlib import Path
-from engine.schema import to_table, write_table
+from engine.table_files import to_table, write_table
 p = argparse.ArgumentParser()
 for k in ("suite", "profile", "host", "out", "run-id", "payload-hash"):
     p.add_argument("--" + k)

@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from engine.schema import MAX_ROWS, SchemaError, read_table, to_table, write_manifest, write_table
+from engine.schema import MAX_ROWS, SchemaError
+from engine.table_files import read_table, to_table, write_manifest, write_table
 from flows.notes.gather import measured_runs
 from flows.store.store import Store
 from flows.transport import pull as pull_mod
@@ -417,7 +418,8 @@ def test_a_failed_suite_with_a_hostile_runs_table_still_ingests_the_good_files(h
 def test_a_host_cannot_send_the_controllers_whatif_suite() -> None:
     """suite 'whatif' names the controller's own stored what-if answers (projected); a measured runs
     table naming it is refused where pull checks a host's files, and accepted for a projected run."""
-    from engine.schema import SchemaError, check_run_tables
+    from engine.schema import SchemaError
+    from engine.table_checks import check_run_tables
 
     with pytest.raises(SchemaError, match="suite 'whatif'"):
         check_run_tables(HOST, RUN, {"runs": _runs(suite="whatif")}, sources=("measured",))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from engine.schema import read_table
+from engine.table_files import read_table
 from flows import REPO
 from flows.analysis.importer import ImportFileError, import_file
 from flows.analysis.reference import is_outside

@@ -19,7 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.schema import MAX_ROWS, SchemaError, read_table
+from engine.schema import MAX_ROWS, SchemaError
+from engine.table_files import read_table
 from flows import REPO
 from flows.store import store as store_mod
 from flows.store.layout import MANIFESTS, StoreError, parquet_bytes

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from engine.config import K2
 from engine.costs import expected_experts, int4_expert_bytes
-from engine.schema import provenance, read_table
+from engine.table_files import provenance, read_table
 from flows import REPO
 from flows.analysis.backtest import refresh
 from flows.analysis.importer import ImportFileError, import_file

@@ -1,7 +1,8 @@
 """The CUDA C++ MoE's host side: finding nvcc, building and caching the cubin, the configs, the launches.
 
-The kernel itself runs only on a GPU (engine.build checks it there against the reference at every
-bench M, engine/moe_sweep.py every candidate config); here: what a host without nvcc, or with a
+The kernel itself runs only on a GPU (engine.build runs it there at every bench M and compares it with
+the reference at each sweep's smallest and largest M and at COMPARE_M; engine/moe_sweep.py compares
+every candidate config); here: what a host without nvcc, or with a
 broken one, is told; that the tables only name kernels the source instantiates, at shapes they tile;
 how the limit check and the fallback choose on sm_90, sm_120 and an unknown arch (the driver's
 answers faked); and how a call shape's launches are laid out.
@@ -22,6 +23,7 @@ import torch
 from kernels import cuda_build, moe_configs, moe_cuda, ops
 
 SOURCE = cuda_build.HERE / moe_cuda.SOURCE
+HEADERS = (cuda_build.HERE / "moe_w4a16_ptx.cuh", cuda_build.HERE / "moe_w4a16_gemm.cuh")  # as SOURCE includes them
 SHAPES = {"full": (2048, 7168), "shard": (256, 7168)}  # K2 and one TP-8 rank: (intermediate, hidden)
 
 
@@ -68,6 +70,7 @@ def test_cubin_is_cached_by_content(no_nvcc: None, monkeypatch: pytest.MonkeyPat
                     f'*) echo run >> {log}; while [ "$1" != "-o" ]; do shift; done; echo cubin > "$2";; esac\n')
     monkeypatch.setenv("CUDA_HOME", str(home))
     cuda_build.nvcc_version.cache_clear()
+    assert [h.name for h in HEADERS] == re.findall(r'^#include "([^"]+)"', SOURCE.read_text(), re.MULTILINE)
     first = cuda_build.compile_cubin(SOURCE, "sm_90")
     again = cuda_build.compile_cubin(SOURCE, "sm_90")
     other = cuda_build.compile_cubin(SOURCE, "sm_120")
@@ -76,7 +79,14 @@ def test_cubin_is_cached_by_content(no_nvcc: None, monkeypatch: pytest.MonkeyPat
     assert cuda_build.compile_cubin(SOURCE, "sm_90", "#define X 1\n") not in (first, other), "another prelude, another cubin"
     src = tmp_path / "moe_w4a16.cu"
     src.write_text(SOURCE.read_text() + "\n// changed\n")
-    assert cuda_build.compile_cubin(src, "sm_90") != first, "changed source, new cubin"
+    with pytest.raises(cuda_build.CudaUnavailable, match="includes 'moe_w4a16_ptx.cuh', which is not beside it"):
+        cuda_build.compile_cubin(src, "sm_90")
+    for header in HEADERS:
+        (tmp_path / header.name).write_text(header.read_text())
+    changed = cuda_build.compile_cubin(src, "sm_90")
+    assert changed != first, "changed source, new cubin"
+    (tmp_path / HEADERS[-1].name).write_text(HEADERS[-1].read_text() + "\n// changed\n")
+    assert cuda_build.compile_cubin(src, "sm_90") not in (first, changed), "changed header, new cubin"
 
 
 def _prelude_kernels(kernels: frozenset[str]) -> dict[str, tuple[int, ...]]:
@@ -433,7 +443,8 @@ def test_every_launch_waits_for_the_kernel_before_it() -> None:
         body = src[src.index(f"    {name}("):]
         body = body[:body.index("\n}\n")]
         assert "grid_wait();" in body, name
-    gemm = src[src.index("__device__ __forceinline__ void moe_gemm("):]
+    gemm = HEADERS[1].read_text()
+    gemm = gemm[gemm.index("__device__ __forceinline__ void moe_gemm("):]
     assert gemm.index("if (!early) grid_wait();") < gemm.index("__ldcg(bexp")
     assert gemm.index("if (early) grid_wait();") < gemm.index("load(s, s, false, true)"), "activations after the wait"
 

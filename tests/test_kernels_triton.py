@@ -92,19 +92,19 @@ def test_moe_split_k_matches_reference(m: int, e: int, dot: int) -> None:
 def test_moe_grouped_matches_reference(m: int, gu: tuple, dn: tuple) -> None:
     """The grouped split-K path: blocks from align() (m=50: 150 slots over 8 experts, so several
     blocks an expert and unused tail blocks), plane dots (x in _plane_major's order; h written so
-    by _silu_mul's PLANES when down runs them) / FMA with and without the register double-buffer,
+    by silu_mul's PLANES when down runs them) / FMA with and without the register double-buffer,
     K splits in both passes (down at m=50: KS 64 of 128), different BM per pass (two alignments)."""
     _check_moe(m, 8, 300 + m, {"gate_up": gu, "down": dn}, path="grouped")
 
 
 @inner
 def test_moe_refuses_unknown_dot() -> None:
-    from kernels import moe_gemm
+    from kernels import moe_gemm_configs
 
     with pytest.raises(ValueError, match="DOT"):
         _check_moe(3, 8, 1, {"gate_up": (16, 32, 64, 128, 4, 1, 2), "down": (16, 32, 64, 128, 4, 1, 1)},
                    path="grouped")
-    assert moe_gemm.shape_class(2048) == "full" and moe_gemm.shape_class(256) == "shard"
+    assert moe_gemm_configs.shape_class(2048) == "full" and moe_gemm_configs.shape_class(256) == "shard"
 
 
 @inner

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.schema import provenance, read_table, to_table, write_table
+from engine.table_files import provenance, read_table, to_table, write_table
 from flows import REPO
 from flows.analysis.backtest import refresh
 from flows.analysis.reference import project_host

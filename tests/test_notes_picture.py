@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.schema import provenance, read_table, to_table, write_table
+from engine.table_files import provenance, read_table, to_table, write_table
 from flows import REPO
 from flows.inventory.hosts import Inventory
 from flows.notes.gather import gather

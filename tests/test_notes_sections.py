@@ -7,7 +7,7 @@ import itertools
 import re
 from pathlib import Path
 
-from engine.schema import provenance, read_table, to_table, write_table
+from engine.table_files import provenance, read_table, to_table, write_table
 from flows.inventory.hosts import Inventory
 from flows.notes.gather import gather
 from flows.notes.publish import render_notes

@@ -10,7 +10,8 @@ import pyarrow as pa
 import pytest
 
 from engine.rows import KernelRow, table_rows
-from engine.schema import provenance, read_table, validate
+from engine.table_checks import validate
+from engine.table_files import provenance, read_table
 from flows.analysis.backtest import cross_host
 from flows.analysis.families import point_key
 from flows.analysis.projection import Machine, allreduce_us, assumptions, project, project_point
@@ -176,7 +177,8 @@ def test_second_reference_widens_the_band(tmp_path: Path, inv: Inventory) -> Non
 def test_a_spread_wider_than_the_median_keeps_the_band_positive(tmp_path: Path, inv: Inventory) -> None:
     """A noisy point (p90 several times its median, as a loaded CPU host gives) carried to its own
     machine keeps a band of positive times: its own p10 and p90, which the store's value check accepts."""
-    from engine.schema import check_values, read_table, to_table, write_table
+    from engine.table_checks import check_values
+    from engine.table_files import read_table, to_table, write_table
 
     ref_dir = tmp_path / "art" / "reference" / "h200"
     write_run(ref_dir)

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from engine.rows import table_rows
-from engine.schema import read_table, to_table
+from engine.table_files import read_table, to_table
 from flows import REPO
 from flows.analysis.backtest import cross_host, depth, refresh, tensor_parallel
 from flows.analysis.projection import ALLREDUCES_PER_LAYER, Machine, allreduce_us, assumptions, project

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from engine.schema import to_table, write_manifest, write_table
+from engine.table_files import to_table, write_manifest, write_table
 from flows.store.store import Store
 from flows.transport.pull import pull, quarantine
 from flows.transport.remote import Remote
@@ -65,7 +65,7 @@ def test_corrupt_and_malformed_files_are_quarantined_and_never_ingested(sandbox_
 def test_suite_the_controller_saw_stop_is_never_recorded_complete(tmp_path: Path, written: bool) -> None:
     """A suite killed after it wrote "complete" (a timeout racing its exit) and one killed before it
     wrote anything both end up `partial` in runs.arrow, so the run index calls the run partial."""
-    from engine.schema import read_table
+    from engine.table_files import read_table
 
     from flows.transport.pull import Pulled, record_unfinished
 

@@ -14,7 +14,8 @@ import pyarrow.dataset as ds
 import pytest
 from typer.testing import CliRunner
 
-from engine.schema import SchemaError, read_table
+from engine.schema import SchemaError
+from engine.table_files import read_table
 from flows import REPO
 from flows.cli.app import app
 from flows.store.layout import RunStatus, StoreError

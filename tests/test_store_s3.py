@@ -24,7 +24,8 @@ import pytest
 from prefect.logging import disable_run_logger
 from typer.testing import CliRunner
 
-from engine.schema import SchemaError, read_table
+from engine.schema import SchemaError
+from engine.table_files import read_table
 from flows import REPO
 from flows.cli.app import app
 from flows.pipelines.settings import Settings

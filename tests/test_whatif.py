@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from support import stepmodel as synth
-from engine.schema import validate
+from engine.table_checks import validate
 from flows import REPO
 from flows.analysis.backtest import refresh
 from flows.analysis.whatif import GRID_CONCURRENCY, GRID_CONTEXT, SUITE, stored_whatif

@@ -14,7 +14,7 @@ them as not kdbench's own, so the notes show them beside kdbench's figures and n
 measurement.
 
 Everything in the file is untrusted: a bad value is refused with one line naming the row and the
-column, by the checks pull applies to a host's tables (engine.schema.check_values) plus the import's
+column, by the checks pull applies to a host's tables (engine.table_checks.check_values) plus the import's
 own (names are plain ASCII identifiers, so a look-alike cannot pose as a kernel kdbench knows; text
 cannot start like a spreadsheet formula). A name already taken is refused without --replace: a
 reference dataset of kdbench's own measurements, or a host with measured runs (`--reference NAME`
@@ -37,7 +37,9 @@ import pyarrow as pa
 from engine.config import CONFIGS
 from engine.costs import expected_experts
 from engine.rows import MoeShape, Provenance
-from engine.schema import MANIFEST, MAX_ROWS, CommSource, SchemaError, check_values, manifest_bytes, table_bytes, to_table
+from engine.schema import MAX_ROWS, CommSource, SchemaError
+from engine.table_checks import check_values
+from engine.table_files import MANIFEST, manifest_bytes, table_bytes, to_table
 from flows.analysis.families import shape_at
 from flows.analysis.kernelfit import cost_of
 from flows.analysis.reference import OUTSIDE_ORIGINS, is_outside

@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from engine.rows import COLUMNS, CommRow, E2ERow, KernelRow, Provenance, RunRow
-from engine.schema import CommSource, PointStatus, to_table
+from engine.schema import CommSource, PointStatus
+from engine.table_files import to_table
 from flows.analysis.assumptions import (Assumption, BandEvidence, Comm, E2eNotMeasured, E2eWithoutSplit, Kept,
                                         KernelModels, ReferenceCeilings, SkippedPoint, StepModel, TargetCeilings,
                                         TensorParallel, TpCarry, parse, record)

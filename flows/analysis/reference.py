@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from engine.rows import COLUMNS, Provenance
-from engine.schema import SchemaError, check_values
+from engine.schema import SchemaError
+from engine.table_checks import check_values
 from flows.analysis.projection import Machine, ProjectionError, Tables, project, rows_of
 from flows.inventory.hosts import Inventory
 from flows.store.layout import StoreError
@@ -59,7 +60,7 @@ def machine_of(inv: Inventory, name: str, spec: str | None = None, gpus: int | N
 def as_dataset(name: str, tables: Tables, inv: Inventory) -> Dataset:
     """Tables of one run with the machine they ran on (an import names its spec in its provenance).
 
-    Only tables whose every value is one a run can write (engine.schema.check_values) make a dataset:
+    Only tables whose every value is one a run can write (engine.table_checks.check_values) make a dataset:
     a store written before values were checked at the door may hold a zero or NaN time, which no
     projection or backtest carries from (ProjectionError says which)."""
     for t, table in tables.items():

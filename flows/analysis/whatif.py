@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from engine.rows import COLUMNS, E2ERow, Provenance, RunRow
-from engine.schema import CommSource, PointStatus, RunStatus, to_table
+from engine.schema import CommSource, PointStatus, RunStatus
+from engine.table_files import to_table
 from flows.analysis.bands import Band, step_band
 from flows.analysis.ceilings import Machine, ProjectionError, Tables, rows_of
 from flows.analysis.families import tp_of

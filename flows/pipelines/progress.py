@@ -19,7 +19,7 @@ from collections import deque
 from typing import Any, Callable
 
 from engine.rows import COLUMNS as C
-from engine.schema import loads_untrusted
+from engine.table_checks import loads_untrusted
 from flows.inventory.scrub import plain
 
 EVENT = "KDBENCH "

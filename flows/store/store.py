@@ -19,8 +19,8 @@ and ingest writes it after every table file, the runs table last of those. There
 each run owns its objects, so concurrent ingests on S3 (one atomic PUT per object, no lock) cannot
 lose each other's runs. The partition key is `run`, not `run_id`, because every table already carries
 a `run_id` column; `host` is also a column of the runs table, where ingest checks it equals the
-partition value. Nothing is stored without passing engine.schema.check_run_tables (the contract and
-every value), and nothing is read back without engine.schema.validate either: a part is read only
+partition value. Nothing is stored without passing engine.table_checks.check_run_tables (the contract and
+every value), and nothing is read back without engine.table_checks.validate either: a part is read only
 through its run's manifest, which must name the run's own partition paths; it is size-bounded,
 digest-checked, and its Parquet footer's row count and decoded size are checked before it is decoded.
 A manifest that cannot be read is skipped by readers (logged) and set aside by `reindex`.
@@ -43,8 +43,9 @@ if TYPE_CHECKING:
     import pyarrow.dataset as ds
 
 from engine.files import atomic_write_bytes
-from engine.schema import (MAX_FILE_BYTES, MAX_ROWS, SCHEMAS, TABLES, SchemaError, check_run_tables, parse_table,
-                           read_table, validate)
+from engine.schema import MAX_ROWS, SCHEMAS, TABLES, SchemaError
+from engine.table_checks import check_run_tables, validate
+from engine.table_files import MAX_FILE_BYTES, parse_table, read_table
 from flows.store.layout import (MANIFESTS, MAX_MANIFEST, OLD_INDEX, PART, SET_ASIDE, Manifest, Reindexed, RunInfo,
                                 StoredFile, StoreError, check_name, default_root, hive_key, manifest_path,
                                 parquet_bytes, parse_manifest, part_path, run_info)

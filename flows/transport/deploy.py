@@ -30,7 +30,7 @@ from typing import Callable
 
 from pydantic import BaseModel
 
-from engine.schema import loads_untrusted
+from engine.table_checks import loads_untrusted
 from flows import REPO
 from flows.inventory.files import display_path, host_path
 from flows.inventory.hosts import Host

@@ -14,7 +14,7 @@ from typing import Any
 import paramiko
 from pydantic import BaseModel
 
-from engine.schema import loads_untrusted
+from engine.table_checks import loads_untrusted
 from flows.inventory.files import load_specs
 from flows.inventory.hosts import Host
 from flows.inventory.keys import fingerprint

@@ -1,9 +1,9 @@
 """Bring a run's result files back from a host and accept only the ones we can trust.
 
 A file is accepted when it is one of the known tables, under the size cap, its sha256 matches
-the host's manifest, it passes engine.schema.read_table (read whole into memory, uncompressed,
+the host's manifest, it passes engine.table_files.read_table (read whole into memory, uncompressed,
 every offset checked, no column the contract lacks) and the same per-run check ingest applies
-(engine.schema.check_run_tables: its run, its host, only `measured` rows, so a host cannot send
+(engine.table_checks.check_run_tables: its run, its host, only `measured` rows, so a host cannot send
 projections, and every value one a run can write: rows bounded, numbers finite and in range). Anything else is
 quarantined under `<artifacts>/quarantine/host=<h>/run=<id>/` with a `.reason` file beside it, and
 named in the run's logs and notes; it is never ingested. One bad file never stops the others.
@@ -19,9 +19,11 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from engine.files import sha256_file
 from engine.rows import Provenance, RunRow, table_rows
-from engine.schema import (MANIFEST, MAX_FILE_BYTES, MAX_TEXT, TABLES, RunStatus, SchemaError, check_run_tables,
-                           read_table, sha256_file, to_table, write_manifest, write_table)
+from engine.schema import MAX_TEXT, TABLES, RunStatus, SchemaError
+from engine.table_checks import check_run_tables
+from engine.table_files import MANIFEST, MAX_FILE_BYTES, read_table, to_table, write_manifest, write_table
 from flows.store.layout import check_name
 from flows.store.store import Store
 from flows.transport.remote import Remote, TransferError

@@ -27,7 +27,7 @@ import invoke
 import paramiko
 from pydantic import BaseModel
 
-from engine.schema import sha256_file
+from engine.files import sha256_file
 from flows.inventory.hosts import Host
 from flows.transport.connect import RemoteError, Timeouts, connect_client
 

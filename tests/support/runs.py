@@ -13,7 +13,7 @@ import math
 import shutil
 from pathlib import Path
 
-from engine.schema import provenance, read_table, to_table, write_table
+from engine.table_files import provenance, read_table, to_table, write_table
 from flows.analysis.backtest import BacktestRow
 
 EXPERT_BYTES = 24.77e6
