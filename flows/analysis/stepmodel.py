@@ -17,7 +17,7 @@ across the rows' (tp, tokens, context). gpu_other is what the rows' GPU time lea
 a part per layer (split by the rows' depth series). Where the rows have no per-family split, the
 factors are 1 and gpu_other holds everything the suite does not explain. The per-layer part is a line
 in tokens at each TP degree (a + b x tokens; a degree with one token count borrows the nearest
-degree's slope, scaled by the degrees), linear in log tp between degrees. The host time outside the
+degree's relative growth, as the in-step factors borrow a token trend), linear in log tp between degrees. The host time outside the
 kernels is fitted from the rows' outside_ms (fixed + per layer) and kept on any machine, as is
 gpu_other (small latency-bound kernels); without a depth series both are taken as all per layer.
 Comm is two all-reduces a layer over the target's links.
@@ -260,20 +260,26 @@ def calibrate(m: Model, rows: Sequence[E2ERow]) -> Calibration:
 
 def per_layer_lines(samples: Sequence[Sample]) -> tuple[PerLayer, ...]:
     """gpu_other per layer as a + b x tokens at each TP degree; a degree measured at one token count
-    takes the slope of the nearest degree measured at two or more, scaled by their degrees (the part
-    that grows with tokens shards like the rest of the layer; none: a flat line)."""
+    takes the relative growth of the nearest degree measured at two or more: that degree's slope times
+    the ratio of the two degrees' levels at the tokens measured (these kernels, norms, rope, routing and
+    copies, keep the hidden state whole on every rank, so TP neither shards their growth with tokens
+    nor leaves it untouched: only the level tells; no such degree: a flat line)."""
     by_tp: dict[int, list[tuple[float, float]]] = {}
     for shape, v in samples:
         by_tp.setdefault(int(shape["tp"]), []).append((shape["tokens"], v))
-    slopes = {tp: _line(*zip(*pts))[1] for tp, pts in by_tp.items() if len({t for t, _ in pts}) >= 2}
+    lines = {tp: _line(*zip(*pts)) for tp, pts in by_tp.items() if len({t for t, _ in pts}) >= 2}
     out = []
     for tp, pts in sorted(by_tp.items()):
         xs, ys = [t for t, _ in pts], [v for _, v in pts]
-        if tp in slopes:
-            a, b = _line(xs, ys)
+        if tp in lines:
+            a, b = lines[tp]
         else:
-            near = min(slopes, key=lambda t: (abs(math.log(t / tp)), t)) if slopes else None
-            b = max(slopes[near], 0.0) * near / tp if near is not None else 0.0
+            near = min(lines, key=lambda t: (abs(math.log(t / tp)), t)) if lines else None
+            b = 0.0
+            if near is not None:
+                a_n, b_n = lines[near]
+                level = a_n + b_n * statistics.mean(xs)
+                b = max(b_n, 0.0) * statistics.mean(ys) / level if level > 0 else 0.0
             a = statistics.mean(y - b * x for x, y in zip(xs, ys))
         out.append(PerLayer(tp, a, b, int(min(xs)), int(max(xs))))
     return tuple(out)
