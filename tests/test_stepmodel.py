@@ -95,6 +95,18 @@ def test_gpu_other_at_a_degree_measured_at_one_token_count_grows_as_the_nearest_
     assert per_layer_at(lines, 8, 17).value == pytest.approx(0.10)
 
 
+def test_an_in_step_factor_follows_the_step_depth_before_its_context() -> None:
+    # at 308 tokens of context only shallow steps were measured; full-depth steps at 1024 and up: a
+    # full-depth query at 308 takes the full-depth factor (per-step ops weigh more in a shallow step)
+    samples = [({"tp": 8, "tokens": 17, "layers": 2, "context": 308}, 1.10),
+               ({"tp": 8, "tokens": 17, "layers": 10, "context": 308}, 1.02),
+               ({"tp": 8, "tokens": 17, "layers": 61, "context": 1024}, 0.93),
+               ({"tp": 8, "tokens": 17, "layers": 61, "context": 8192}, 0.95)]
+    got = in_step_factor(samples, {"tp": 8, "tokens": 17, "layers": 61, "context": 308})
+    assert got.value == pytest.approx(0.93) and "context" in got.extrapolated
+    assert in_step_factor(samples, {"tp": 8, "tokens": 17, "layers": 2, "context": 308}).value == pytest.approx(1.10)
+
+
 def test_tokens_per_s_and_the_memory_check_by_hand(ref, inv: Inventory) -> None:
     model = build(ref.tables, ref.machine, ref.machine)
     s = answer(model, Query(2, 4, 16, 256, 2.5, layers=3))

@@ -13,7 +13,8 @@ The step's GPU time is the sum of its kernel families, each at the step's shapes
 - gpu_other: the kernels no suite times (norms, rope, routing, copies).
 Each suite family is taken from its kernel model (flows.analysis.kernelfit) and scaled by its in-step/suite
 factor: the measured e2e rows' per-family GPU time over the suite's at the same shapes, interpolated
-across the rows' (tp, tokens, context). gpu_other is what the rows' GPU time leaves: a fixed part and
+across the rows' (tp, tokens, depth, context): a step's depth before its context, since a family's
+per-step ops weigh more in a shallow step than a prompt length moves its factor. gpu_other is what the rows' GPU time leaves: a fixed part and
 a part per layer (split by the rows' depth series). Where the rows have no per-family split, the
 factors are 1 and gpu_other holds everything the suite does not explain. The per-layer part is a line
 in tokens at each TP degree (a + b x tokens; a degree with one token count borrows the nearest
@@ -50,6 +51,7 @@ LABEL = {"moe": "MoE", "attention": "attention", "dense": "dense GEMMs", "lm_hea
          "gpu_other": "other kernels", "host": "host time", "comm": "comm"}   # a term in words
 HEADS = ("lm_head", "draft_head")          # the dense ops the lm_head family holds
 CAL_AXES = ("tp", "tokens", "context")
+FACTOR_AXES = ("tp", "tokens", "layers", "context")   # an in-step factor's: a step's depth before its context
 
 
 @dataclass(frozen=True)
@@ -236,7 +238,7 @@ def calibrate(m: Model, rows: Sequence[E2ERow]) -> Calibration:
         if split:
             for f in SUITE:
                 if getattr(r, COLUMN[f]) is not None and acc.ms[f] > 0 and getattr(r, COLUMN[f]) > 0:
-                    factors[f].append((shape, getattr(r, COLUMN[f]) / acc.ms[f]))
+                    factors[f].append(({**shape, "layers": q.layers or cfg.layers}, getattr(r, COLUMN[f]) / acc.ms[f]))
             rest = r.gpu_other_ms
         else:
             rest = _gpu_ms(r) - sum(acc.ms.values())
@@ -301,11 +303,11 @@ def per_layer_at(lines: Sequence[PerLayer], tp: int, tokens: int) -> Estimate:
 
 
 def in_step_factor(samples: Sequence[Sample], shape: dict[str, float]) -> Estimate:
-    """A family's in-step/suite factor at (tp, tokens, context): per TP degree over its own tokens and
-    contexts, a degree whose tokens do not reach the query's following the token trend of the nearest
+    """A family's in-step/suite factor at (tp, tokens[, layers], context): per TP degree over its own
+    tokens, depths and contexts, a degree whose tokens do not reach the query's following the token trend of the nearest
     degree that does (as gpu_other's per-layer lines borrow a slope: the trend, routing spread and
     launch tails, is the batch's, and TP only scales it), then linear in log tp between degrees."""
-    return interpolate_borrowing(samples, shape, CAL_AXES)
+    return interpolate_borrowing(samples, shape, tuple(a for a in FACTOR_AXES if a in shape))
 
 
 # -- building and answering -------------------------------------------------------------------------
@@ -346,7 +348,7 @@ def answer(m: Model, q: Query, cfg: ModelConfig | None = None) -> Step:
     ms = {}
     for f in SUITE:
         samples = m.cal.factors.get(f)
-        factor = in_step_factor(samples, shape) if samples else Estimate(1.0)
+        factor = in_step_factor(samples, {**shape, "layers": layers}) if samples and acc.ms[f] else Estimate(1.0)
         ms[f] = acc.ms[f] * factor.value
         ext += [f"{f} in-step factor {a}" for a in factor.extrapolated]
     fixed = interpolate(m.cal.fixed, shape, CAL_AXES, log_value=False) if m.cal.fixed else Estimate(0.0)
