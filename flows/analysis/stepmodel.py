@@ -51,6 +51,7 @@ LABEL = {"moe": "MoE", "attention": "attention", "dense": "dense GEMMs", "lm_hea
          "gpu_other": "other kernels", "host": "host time", "comm": "comm"}   # a term in words
 HEADS = ("lm_head", "draft_head")          # the dense ops the lm_head family holds
 CAL_AXES = ("tp", "tokens", "context")
+BEYOND_TOKENS = "beyond calibrated tokens"   # the stratum of an answer whose calibrated terms leave the rows' tokens
 FACTOR_AXES = ("tp", "tokens", "layers", "context")   # an in-step factor's: a step's depth before its context
 
 
@@ -82,6 +83,14 @@ class Step:
 
     def share(self, term: str) -> float:
         return self.ms[term] / (self.step_ms + self.ms["comm"])
+
+    @property
+    def stratum(self) -> str:
+        """The kind of composition carry (flows.analysis.bands): BEYOND_TOKENS where an in-step factor or
+        gpu_other leaves the tokens its TP degree's rows measured (held, or following another degree's
+        trend), else "" (inside them, or beyond a context or depth only)."""
+        calibrated = [e for e in self.extrapolated if " in-step factor " in e or e.startswith("gpu_other ")]
+        return BEYOND_TOKENS if any(e.endswith(" tokens") for e in calibrated) else ""
 
     @property
     def largest(self) -> str:
