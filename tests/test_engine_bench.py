@@ -281,6 +281,20 @@ def test_mla_shard_rows_carry_tp_and_cover_the_flashmla_grid():
     assert budgeted_repeats(lambda: None, torch.device("cpu"), 50) == 50
 
 
+def test_the_mla_sweep_reaches_the_e2e_steps_shortest_prompts() -> None:
+    """Every e2e step's attention (its batch and budget, prompts from the shortest up) lies inside the
+    kernel sweep, at the full heads and at one TP-8 rank's: the in-step factor is measured against
+    measured points, not against the kernel fit carried below the sweep."""
+    from engine.bench_e2e import PROFILES as E2E
+    from engine.bench_kernels import PROFILES
+
+    e2e, kern = E2E[("cuda", "full")], PROFILES[("cuda", "full")]
+    for pts in (kern.attn, kern.attn_tp):
+        for c in e2e.concurrency:
+            for n in e2e.budgets:
+                assert min(ctx for b, nn, ctx in pts if (b, nn) == (c, n)) <= e2e.prompt_len[0]
+
+
 def test_e2e_figures_leave_out_the_eager_step() -> None:
     """The step run eagerly while the CUDA graphs are made is paid once by a server, not every step."""
     from engine.bench_e2e import summarise
