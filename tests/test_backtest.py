@@ -109,8 +109,10 @@ def test_cli_prints_and_stores_and_the_notes_render_it(store: Store, inv: Invent
     as_json = CliRunner().invoke(app, ["backtest", "--artifacts", store.base, "--hosts", str(REPO / "hosts"),
                                        "--format", "json"])
     assert as_json.exit_code == 0 and [r["kind"] for r in json.loads(as_json.output)] == [r["kind"] for r in stored]
+    assert not {"ratios", "groups", "strata"} & set(json.loads(as_json.output)[0])   # per-point evidence: stored only
     first = stored_backtest(store)[0]
-    assert first == BacktestRow(**{**stored[0], "ratios": tuple(stored[0]["ratios"]), "groups": tuple(stored[0]["groups"])})
+    assert first == BacktestRow(**{**stored[0], "ratios": tuple(stored[0]["ratios"]), "groups": tuple(stored[0]["groups"]),
+                                   "strata": tuple(stored[0]["strata"])})
     assert first.ratios and len(first.ratios) == len(first.groups) == first.points   # the evidence travels
     refresh(store, inv, "h200")
     render_notes(store, inv, tmp_path / "docs")

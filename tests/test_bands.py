@@ -79,6 +79,25 @@ def test_carries_combine_and_an_unknown_one_makes_the_band_unknown() -> None:
     assert lo == pytest.approx(100 / one.high) and hi == pytest.approx(100 / one.low)
 
 
+def test_a_stratum_s_band_comes_from_its_own_configurations_and_everyone_s_strays() -> None:
+    # six configurations answered inside their calibration (within 1 %), two beyond it (+-20 %, three
+    # levels each): a point beyond never gets a band from the close ones (one other configuration of
+    # its kind: unknown), and the points inside count the far configurations' strays, not their means
+    inside = [0.99, 1.0, 1.01, 1.0, 0.995, 1.005]
+    ratios = [*inside, 1.2, 1.21, 1.19, 0.8, 0.81, 0.79]
+    groups = [*"abcdef", "x", "x", "x", "y", "y", "y"]
+    strata = [""] * 6 + ["beyond"] * 6
+    bands = jackknife(ratios, groups, strata)
+    assert all(b is None for b in bands[6:])
+    assert all(b is not None and b[1] < 1.1 for b in bands[:6])
+    pooled = jackknife(ratios, groups)                    # one stratum: the far means widen every band
+    assert all(b is not None and b[1] > 1.1 for b in pooled[:6])
+    strays = (tuple(ratios[6:]), tuple(groups[6:]))
+    lo, hi = edges(inside, list("abcdef"), strays=strays)
+    lo0, hi0 = edges(inside, list("abcdef"))
+    assert hi > hi0 and lo < lo0                          # the strays' own spread counts
+
+
 def test_a_projected_answer_takes_the_evidence_of_its_carries(tmp_path: Path, inv: Inventory) -> None:
     synth.mini_run(tmp_path / "art" / "reference" / "h200")
     ref = load_reference(Store(str(tmp_path / "art")), inv, "h200")

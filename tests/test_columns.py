@@ -30,8 +30,9 @@ EXCEPTIONS: dict[str, tuple[frozenset[str] | None, str]] = {
                                      f"{_TERM}; and a key of the projected runs rows' note (JSON), not the column"),
     "flows/analysis/whatif.py": (frozenset({"host"}), _TERM),
     "flows/analysis/backtest.py": (frozenset({"host"}), _TERM),
-    "flows/analysis/stepmodel.py": (frozenset({"host", "tp", "context"}),
-                                    f"{_TERM}; and the calibration shapes' axes (CAL_AXES: tp, tokens, context)"),
+    "flows/analysis/stepmodel.py": (frozenset({"host", "tp", "context", "layers"}),
+                                    f"{_TERM}; and the calibration shapes' axes (CAL_AXES: tp, tokens, context; "
+                                    "FACTOR_AXES adds layers)"),
     "flows/analysis/bands.py": (frozenset({"tp"}), "the tp carry's name (and its backtest kind), not the column"),
     "flows/notes/sections/projected.py": (frozenset({"bytes"}), "a TpCarry.how word (how rows were re-sharded)"),
     "flows/cli/project.py": (frozenset({"tp", "concurrency", "context", "budget"}), "the command's option names"),

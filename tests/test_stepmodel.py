@@ -17,7 +17,7 @@ from flows.analysis.families import shape_at
 from flows.analysis.kernelfit import along, fit_family
 from flows.analysis.reference import load_reference, machine_of
 from flows.analysis.stepmemory import RESERVE_BYTES, cache_bytes, memory, weight_bytes
-from flows.analysis.stepmodel import Query, answer, build, in_step_factor, query_of
+from flows.analysis.stepmodel import Query, answer, build, in_step_factor, per_layer_at, per_layer_lines, query_of
 from flows.inventory.hosts import Inventory
 from flows.store.store import Store
 
@@ -82,6 +82,29 @@ def test_a_degree_measured_at_one_token_count_takes_the_token_trend_of_another()
     # between degrees: each degree's value, then linear in log tp
     mid = in_step_factor(samples, {"tp": 2, "tokens": 17, "context": 512})
     assert 1.2 * 0.9 / 1.1 > mid.value > 0.9 and "tp" in mid.interpolated
+
+
+def test_gpu_other_at_a_degree_measured_at_one_token_count_grows_as_the_nearest_degree_does() -> None:
+    # per layer: TP-8 0.10 ms at 17 tokens, 0.15 at 272; TP-1 0.30 at 272 only. TP-1 takes TP-8's growth
+    # relative to its level (x 2): 0.20 at 17. Scaling TP-8's slope by the degrees (x 8) gave a line
+    # through zero at 17 tokens, where the kernels' measured time is far from zero.
+    lines = per_layer_lines([({"tp": 8, "tokens": 17}, 0.10), ({"tp": 8, "tokens": 272}, 0.15),
+                             ({"tp": 1, "tokens": 272}, 0.30)])
+    assert per_layer_at(lines, 1, 17).value == pytest.approx(0.20)
+    assert per_layer_at(lines, 1, 272).value == pytest.approx(0.30)
+    assert per_layer_at(lines, 8, 17).value == pytest.approx(0.10)
+
+
+def test_an_in_step_factor_follows_the_step_depth_before_its_context() -> None:
+    # at 308 tokens of context only shallow steps were measured; full-depth steps at 1024 and up: a
+    # full-depth query at 308 takes the full-depth factor (per-step ops weigh more in a shallow step)
+    samples = [({"tp": 8, "tokens": 17, "layers": 2, "context": 308}, 1.10),
+               ({"tp": 8, "tokens": 17, "layers": 10, "context": 308}, 1.02),
+               ({"tp": 8, "tokens": 17, "layers": 61, "context": 1024}, 0.93),
+               ({"tp": 8, "tokens": 17, "layers": 61, "context": 8192}, 0.95)]
+    got = in_step_factor(samples, {"tp": 8, "tokens": 17, "layers": 61, "context": 308})
+    assert got.value == pytest.approx(0.93) and "context" in got.extrapolated
+    assert in_step_factor(samples, {"tp": 8, "tokens": 17, "layers": 2, "context": 308}).value == pytest.approx(1.10)
 
 
 def test_tokens_per_s_and_the_memory_check_by_hand(ref, inv: Inventory) -> None:

@@ -8,7 +8,7 @@ only (other configurations, for e2e rows: the acceptance levels of one configura
 its coverage is the share of points inside, its width the median half-width.
 
 - composition: each e2e step from the step model (flows.analysis.stepmodel) calibrated on the other
-  configurations' rows (leave one configuration out);
+  configurations' rows (leave one configuration out), each point with its answer's stratum (bands);
 - depth: the full-depth step from a straight line through the shallower depths of the same point;
 - size: a family's largest sizes from its smaller ones (MoE M >= 256 from M < 256, context 64k and
   up from less, tree budget 1024 from less, dense GEMM M >= 256 from less), its kernel model fitted on the
@@ -69,10 +69,14 @@ class BacktestRow:
     unknown: int = 0                    # points whose band is unknown (too little other evidence)
     ratios: tuple[float, ...] = ()      # measured / projected of each point: a carry's evidence
     groups: tuple[str, ...] = ()        # the group of each point (one configuration's acceptance levels)
+    strata: tuple[str, ...] = ()        # the stratum of each point's answer (flows.analysis.bands; empty: one)
 
     @property
     def skipped(self) -> bool:
         return self.points == 0
+
+
+PER_POINT = ("ratios", "groups", "strata")   # the evidence of each point: stored for the bands, not printed
 
 
 def goal_gap(row: BacktestRow) -> tuple[float | None, float | None]:
@@ -87,22 +91,25 @@ def goal_gap(row: BacktestRow) -> tuple[float | None, float | None]:
 
 
 Pair = tuple[float, float, object]   # measured, predicted, group (points of one group share a band's blind spot)
+Stratified = tuple[float, float, object, str]   # a pair and its answer's stratum (flows.analysis.bands)
 
 
-def summarise(kind: str, ref: str, target: str, fam: str, reg: str, pairs: Sequence[Pair],
+def summarise(kind: str, ref: str, target: str, fam: str, reg: str, pairs: Sequence[Pair | Stratified],
               detail: str) -> BacktestRow:
     pairs = [p for p in pairs if p[0] and p[1]]
     if not pairs:
         return BacktestRow(kind, ref, target, fam, reg, 0, detail=detail)
-    errs = [p / m - 1 for m, p, _ in pairs]
-    ratios = [m / p for m, p, _ in pairs]
-    bands = jackknife(ratios, [g for *_, g in pairs])
+    errs = [p[1] / p[0] - 1 for p in pairs]
+    ratios = [p[0] / p[1] for p in pairs]
+    strata = tuple(p[3] if len(p) > 3 else "" for p in pairs)
+    bands = jackknife(ratios, [p[2] for p in pairs], strata)
     known = [(r, b) for r, b in zip(ratios, bands) if b is not None]
     inside = sum(lo * (1 - 1e-9) <= r <= hi * (1 + 1e-9) for r, (lo, hi) in known)
     return BacktestRow(kind, ref, target, fam, reg, len(errs), statistics.median(errs), max(errs, key=abs),
                        inside / len(known) if known else None, detail, statistics.median(abs(e) for e in errs),
                        statistics.median((hi - lo) / 2 for _, (lo, hi) in known) if known else None,
-                       len(bands) - len(known), tuple(ratios), tuple(str(g) for *_, g in pairs))
+                       len(bands) - len(known), tuple(ratios), tuple(str(p[2]) for p in pairs),
+                       strata if any(strata) else ())
 
 
 def _groups(rows: Sequence[E2ERow]) -> dict[tuple, list[E2ERow]]:
@@ -123,19 +130,19 @@ def composition(data: Dataset) -> list[BacktestRow]:
         return [BacktestRow("composition", name, name, "e2e step", "e2e", 0,
                             detail="needs kernel points and e2e rows of two or more configurations in one run")]
     split = all(r.moe_ms is not None for r in rows)
-    pairs: dict[str, list[Pair]] = {}
+    pairs: dict[str, list[Stratified]] = {}
     for key, held in groups.items():
         model = build(data.tables, data.machine, data.machine, [r for r in rows if e2e_key(
             r, without=("synthetic_accept",)) != key])
         for r in held:
             s = answer(model, query_of(r), config_of(r))
-            pairs.setdefault("e2e step", []).append((r.step_ms_p50, s.step_ms, key))
+            pairs.setdefault("e2e step", []).append((r.step_ms_p50, s.step_ms, key, s.stratum))
             if r.kernel_ms is not None:
-                pairs.setdefault("e2e GPU time", []).append((r.kernel_ms, s.step_ms - s.ms["host"], key))
-                pairs.setdefault("e2e host time", []).append((r.outside_ms, s.ms["host"], key))
+                pairs.setdefault("e2e GPU time", []).append((r.kernel_ms, s.step_ms - s.ms["host"], key, s.stratum))
+                pairs.setdefault("e2e host time", []).append((r.outside_ms, s.ms["host"], key, s.stratum))
             if split:
                 for f in FAMILIES:
-                    pairs.setdefault(f"e2e {f}", []).append((getattr(r, COLUMN[f]), s.ms[f], key))
+                    pairs.setdefault(f"e2e {f}", []).append((getattr(r, COLUMN[f]), s.ms[f], key, s.stratum))
     why = ("each configuration's steps from the step model calibrated on the other configurations' rows "
            "(kernel models at the step's shapes x in-step factors + gpu_other + host)")
     out = [summarise("composition", name, name, "e2e step", "e2e", pairs["e2e step"], why)]
@@ -360,7 +367,8 @@ def store_backtest(store: Store, rows: Iterable[BacktestRow]) -> None:
 
 def stored_backtest(store: Store) -> list[BacktestRow]:
     """The backtest rows `kdbench backtest` (or the flow) stored last; empty when never run."""
-    return [BacktestRow(**{**r, "ratios": tuple(r.get("ratios", ())), "groups": tuple(r.get("groups", ()))})
+    return [BacktestRow(**{**r, "ratios": tuple(r.get("ratios", ())), "groups": tuple(r.get("groups", ())),
+                           "strata": tuple(r.get("strata", ()))})
             for r in cast("list[dict[str, Any]]", store.get_json(STORED) or [])]
 
 

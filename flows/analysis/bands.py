@@ -14,6 +14,13 @@ their log-half-widths in quadrature, with the measurement spread as one more ter
 fewer than MIN_POINTS held-out points has no band: the figure's band is unknown and says which
 carry lacks evidence, never a narrow band. Kernel-level carries (a family's size) act on the step
 through that family's share of it.
+
+Evidence is split by stratum where an answer can lie beyond what its calibration measured in a way the
+other answers do not (a composed step whose in-step terms leave the tokens its TP degree's rows
+measured: flows.analysis.stepmodel.Step.stratum): such an answer's errors are of another kind, so the
+configurations' term of a figure's band comes from its own stratum only (too few points there: unknown),
+while the stray term pools every stratum's deviations (how one configuration's levels spread is not
+what the stratum parts).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class Band:
         return None if not self.known else (self.high - self.low) / 2  # type: ignore[operator]
 
 
+Evidence = tuple[tuple[float, ...], tuple[str, ...]]   # held-out ratios, the group of each
 T95_SMALL = {1: 6.314, 2: 2.920, 3: 2.353}   # t(0.95, df) where the expansion below is poor
 
 
@@ -64,27 +72,35 @@ def t_quantile(p: float, df: int) -> float:
 
 
 def edges(ratios: Sequence[float], groups: Sequence[object] | None = None,
-          coverage: float = COVERAGE) -> tuple[float, float] | None:
+          coverage: float = COVERAGE, strays: Evidence = ((), ())) -> tuple[float, float] | None:
     """(low, high) edges of measured/predicted ratios (module doc); None under MIN_POINTS points or
     under two groups. Points of one group (the acceptance levels of one configuration) are one piece
     of evidence: the edges of the groups' mean log ratios, combined in quadrature with the edges of
-    the points' deviations from their group's mean."""
+    the points' deviations from their group's mean. `strays`: points of other strata, whose deviations
+    inside their groups count too (how a configuration's levels spread is not what a stratum parts)."""
     if len(ratios) < MIN_POINTS:
         return None
     groups = list(groups) if groups is not None else list(range(len(ratios)))
-    by: dict[object, list[float]] = {}
-    for r, g in zip(ratios, groups):
-        by.setdefault(g, []).append(math.log(r))
+    by = _by_group(ratios, groups)
     means = [statistics.mean(v) for v in by.values()]
     if len(means) < 2:
         return None
     lo, hi = _interval(means, len(means) - 1, coverage)
-    free = len(ratios) - len(means)   # the deviations' degrees of freedom: none when every group is one point
+    spread = [*by.values(), *_by_group(*strays).values()]
+    free = sum(map(len, spread)) - len(spread)   # the deviations' degrees of freedom: none when every group is one point
     if free:   # the two terms are independent: their edges add in quadrature around the groups' centre
-        d_lo, d_hi = _interval([x - statistics.mean(v) for v in by.values() for x in v], free, coverage, centred=True)
+        d_lo, d_hi = _interval([x - statistics.mean(v) for v in spread for x in v], free, coverage, centred=True)
         mid = statistics.mean(means)
         lo, hi = mid - math.hypot(mid - lo, d_lo), mid + math.hypot(hi - mid, d_hi)
     return min(math.exp(lo), 1.0), max(math.exp(hi), 1.0)
+
+
+def _by_group(ratios: Sequence[float], groups: Sequence[object]) -> dict[object, list[float]]:
+    """Log ratios by group."""
+    by: dict[object, list[float]] = {}
+    for r, g in zip(ratios, groups):
+        by.setdefault(g, []).append(math.log(r))
+    return by
 
 
 def _interval(xs: Sequence[float], df: int, coverage: float, centred: bool = False) -> tuple[float, float]:
@@ -103,28 +119,31 @@ def _interval(xs: Sequence[float], df: int, coverage: float, centred: bool = Fal
     return min(lo, mid - half), max(hi, mid + half)
 
 
-Evidence = tuple[tuple[float, ...], tuple[str, ...]]   # held-out ratios, the group of each
-
-
-def evidence_of(rows: Sequence[object], carry: str) -> Evidence:
-    """The held-out ratios (and their groups) of a carry, pooled over the stored backtest rows it rests on."""
+def evidence_of(rows: Sequence[object], carry: str, stratum: str = "", others: bool = False) -> Evidence:
+    """The held-out ratios (and their groups) of a carry in one stratum (`others`: in every other one),
+    pooled over the stored backtest rows it rests on."""
     kind, prefix = EVIDENCE[carry]
     ratios: list[float] = []
     groups: list[str] = []
     for r in rows:
         if getattr(r, "kind") == kind and str(getattr(r, "family")).startswith(prefix):
             got = tuple(getattr(r, "ratios", ()) or ())
-            ratios += got
-            groups += [f"{getattr(r, 'family')}:{g}" for g in (getattr(r, "groups", ()) or range(len(got)))]
+            names = getattr(r, "groups", ()) or range(len(got))
+            strata = getattr(r, "strata", ()) or ("",) * len(got)
+            keep = [(x, g) for x, g, s in zip(got, names, strata) if (s == stratum) != others]
+            ratios += [x for x, _ in keep]
+            groups += [f"{getattr(r, 'family')}:{g}" for _, g in keep]
     return tuple(ratios), tuple(groups)
 
 
-def combine(parts: Mapping[str, tuple[Evidence, float]], spread: float = 0.0) -> Band:
+def combine(parts: Mapping[str, tuple[Evidence, float] | tuple[Evidence, float, Evidence]],
+            spread: float = 0.0) -> Band:
     """The band of a figure made with each carry in `parts` (its evidence, the share of the figure it
-    acts on), plus a relative measurement spread."""
+    acts on, and optionally the carry's points of other strata for the stray term), plus a relative
+    measurement spread."""
     centre, var, unknown = 0.0, math.log1p(spread) ** 2, []
-    for name, ((ratios, groups), share) in parts.items():
-        e = edges(ratios, groups)
+    for name, ((ratios, groups), share, *strays) in parts.items():
+        e = edges(ratios, groups, strays=strays[0] if strays else ((), ()))
         if e is None:
             unknown.append(f"{name} ({len(ratios)} held-out point{'s' if len(ratios) != 1 else ''})")
             continue
@@ -137,12 +156,16 @@ def combine(parts: Mapping[str, tuple[Evidence, float]], spread: float = 0.0) ->
     return Band(min(math.exp(centre - h), 1.0), max(math.exp(centre + h), 1.0))
 
 
-def jackknife(ratios: Sequence[float], groups: Sequence[object]) -> list[tuple[float, float] | None]:
-    """For each held-out point, the edges from the other groups' ratios only (its own never counts)."""
+def jackknife(ratios: Sequence[float], groups: Sequence[object],
+              strata: Sequence[str] = ()) -> list[tuple[float, float] | None]:
+    """For each held-out point, the edges from the other groups' ratios of its stratum only (its own
+    group never counts; no strata: one)."""
+    strata = list(strata) or [""] * len(ratios)
     out = []
-    for mine in groups:
-        keep = [(r, g) for r, g in zip(ratios, groups) if g != mine]
-        out.append(edges([r for r, _ in keep], [g for _, g in keep]))
+    for mine, kind in zip(groups, strata):
+        keep = [(r, g, s == kind) for r, g, s in zip(ratios, groups, strata) if g != mine]
+        strays = tuple(r for r, _, same in keep if not same), tuple(g for _, g, same in keep if not same)
+        out.append(edges([r for r, _, same in keep if same], [g for _, g, same in keep if same], strays=strays))
     return out
 
 
@@ -151,5 +174,7 @@ def step_band(step: Any, evidence: Sequence[object], spread: float) -> Band:
     parts = {}
     for carry in step.carries:
         share = step.share(carry.split(":")[1]) if carry.startswith("size:") else 1.0
-        parts[carry] = (evidence_of(evidence, carry), share)
+        stratum = step.stratum if carry == "composition" else ""
+        parts[f"{carry} {stratum}".strip()] = (evidence_of(evidence, carry, stratum), share,
+                                              evidence_of(evidence, carry, stratum, others=True))
     return combine(parts, spread)

@@ -13,11 +13,12 @@ The step's GPU time is the sum of its kernel families, each at the step's shapes
 - gpu_other: the kernels no suite times (norms, rope, routing, copies).
 Each suite family is taken from its kernel model (flows.analysis.kernelfit) and scaled by its in-step/suite
 factor: the measured e2e rows' per-family GPU time over the suite's at the same shapes, interpolated
-across the rows' (tp, tokens, context). gpu_other is what the rows' GPU time leaves: a fixed part and
+across the rows' (tp, tokens, depth, context): a step's depth before its context, since a family's
+per-step ops weigh more in a shallow step than a prompt length moves its factor. gpu_other is what the rows' GPU time leaves: a fixed part and
 a part per layer (split by the rows' depth series). Where the rows have no per-family split, the
 factors are 1 and gpu_other holds everything the suite does not explain. The per-layer part is a line
 in tokens at each TP degree (a + b x tokens; a degree with one token count borrows the nearest
-degree's slope, scaled by the degrees), linear in log tp between degrees. The host time outside the
+degree's relative growth, as the in-step factors borrow a token trend), linear in log tp between degrees. The host time outside the
 kernels is fitted from the rows' outside_ms (fixed + per layer) and kept on any machine, as is
 gpu_other (small latency-bound kernels); without a depth series both are taken as all per layer.
 Comm is two all-reduces a layer over the target's links.
@@ -50,6 +51,8 @@ LABEL = {"moe": "MoE", "attention": "attention", "dense": "dense GEMMs", "lm_hea
          "gpu_other": "other kernels", "host": "host time", "comm": "comm"}   # a term in words
 HEADS = ("lm_head", "draft_head")          # the dense ops the lm_head family holds
 CAL_AXES = ("tp", "tokens", "context")
+BEYOND_TOKENS = "beyond calibrated tokens"   # the stratum of an answer whose calibrated terms leave the rows' tokens
+FACTOR_AXES = ("tp", "tokens", "layers", "context")   # an in-step factor's: a step's depth before its context
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,14 @@ class Step:
 
     def share(self, term: str) -> float:
         return self.ms[term] / (self.step_ms + self.ms["comm"])
+
+    @property
+    def stratum(self) -> str:
+        """The kind of composition carry (flows.analysis.bands): BEYOND_TOKENS where an in-step factor or
+        gpu_other leaves the tokens its TP degree's rows measured (held, or following another degree's
+        trend), else "" (inside them, or beyond a context or depth only)."""
+        calibrated = [e for e in self.extrapolated if " in-step factor " in e or e.startswith("gpu_other ")]
+        return BEYOND_TOKENS if any(e.endswith(" tokens") for e in calibrated) else ""
 
     @property
     def largest(self) -> str:
@@ -236,7 +247,7 @@ def calibrate(m: Model, rows: Sequence[E2ERow]) -> Calibration:
         if split:
             for f in SUITE:
                 if getattr(r, COLUMN[f]) is not None and acc.ms[f] > 0 and getattr(r, COLUMN[f]) > 0:
-                    factors[f].append((shape, getattr(r, COLUMN[f]) / acc.ms[f]))
+                    factors[f].append(({**shape, "layers": q.layers or cfg.layers}, getattr(r, COLUMN[f]) / acc.ms[f]))
             rest = r.gpu_other_ms
         else:
             rest = _gpu_ms(r) - sum(acc.ms.values())
@@ -260,20 +271,26 @@ def calibrate(m: Model, rows: Sequence[E2ERow]) -> Calibration:
 
 def per_layer_lines(samples: Sequence[Sample]) -> tuple[PerLayer, ...]:
     """gpu_other per layer as a + b x tokens at each TP degree; a degree measured at one token count
-    takes the slope of the nearest degree measured at two or more, scaled by their degrees (the part
-    that grows with tokens shards like the rest of the layer; none: a flat line)."""
+    takes the relative growth of the nearest degree measured at two or more: that degree's slope times
+    the ratio of the two degrees' levels at the tokens measured (these kernels, norms, rope, routing and
+    copies, keep the hidden state whole on every rank, so TP neither shards their growth with tokens
+    nor leaves it untouched: only the level tells; no such degree: a flat line)."""
     by_tp: dict[int, list[tuple[float, float]]] = {}
     for shape, v in samples:
         by_tp.setdefault(int(shape["tp"]), []).append((shape["tokens"], v))
-    slopes = {tp: _line(*zip(*pts))[1] for tp, pts in by_tp.items() if len({t for t, _ in pts}) >= 2}
+    lines = {tp: _line(*zip(*pts)) for tp, pts in by_tp.items() if len({t for t, _ in pts}) >= 2}
     out = []
     for tp, pts in sorted(by_tp.items()):
         xs, ys = [t for t, _ in pts], [v for _, v in pts]
-        if tp in slopes:
-            a, b = _line(xs, ys)
+        if tp in lines:
+            a, b = lines[tp]
         else:
-            near = min(slopes, key=lambda t: (abs(math.log(t / tp)), t)) if slopes else None
-            b = max(slopes[near], 0.0) * near / tp if near is not None else 0.0
+            near = min(lines, key=lambda t: (abs(math.log(t / tp)), t)) if lines else None
+            b = 0.0
+            if near is not None:
+                a_n, b_n = lines[near]
+                level = a_n + b_n * statistics.mean(xs)
+                b = max(b_n, 0.0) * statistics.mean(ys) / level if level > 0 else 0.0
             a = statistics.mean(y - b * x for x, y in zip(xs, ys))
         out.append(PerLayer(tp, a, b, int(min(xs)), int(max(xs))))
     return tuple(out)
@@ -295,11 +312,11 @@ def per_layer_at(lines: Sequence[PerLayer], tp: int, tokens: int) -> Estimate:
 
 
 def in_step_factor(samples: Sequence[Sample], shape: dict[str, float]) -> Estimate:
-    """A family's in-step/suite factor at (tp, tokens, context): per TP degree over its own tokens and
-    contexts, a degree whose tokens do not reach the query's following the token trend of the nearest
+    """A family's in-step/suite factor at (tp, tokens[, layers], context): per TP degree over its own
+    tokens, depths and contexts, a degree whose tokens do not reach the query's following the token trend of the nearest
     degree that does (as gpu_other's per-layer lines borrow a slope: the trend, routing spread and
     launch tails, is the batch's, and TP only scales it), then linear in log tp between degrees."""
-    return interpolate_borrowing(samples, shape, CAL_AXES)
+    return interpolate_borrowing(samples, shape, tuple(a for a in FACTOR_AXES if a in shape))
 
 
 # -- building and answering -------------------------------------------------------------------------
@@ -340,7 +357,7 @@ def answer(m: Model, q: Query, cfg: ModelConfig | None = None) -> Step:
     ms = {}
     for f in SUITE:
         samples = m.cal.factors.get(f)
-        factor = in_step_factor(samples, shape) if samples else Estimate(1.0)
+        factor = in_step_factor(samples, {**shape, "layers": layers}) if samples and acc.ms[f] else Estimate(1.0)
         ms[f] = acc.ms[f] * factor.value
         ext += [f"{f} in-step factor {a}" for a in factor.extrapolated]
     fixed = interpolate(m.cal.fixed, shape, CAL_AXES, log_value=False) if m.cal.fixed else Estimate(0.0)

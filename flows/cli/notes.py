@@ -91,7 +91,7 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
     """
     from dataclasses import asdict
 
-    from flows.analysis.backtest import backtests_of, store_backtest
+    from flows.analysis.backtest import PER_POINT, backtests_of, store_backtest
     from flows.inventory.files import default_hosts_dir, load_inventory
     from flows.notes.sections.backtest import BACKTEST_COLUMNS, backtest_cells
     from flows.store.store import Store
@@ -109,7 +109,7 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
     for r, c in zip(rows, cells):
         if r.skipped:
             c[-1] = "skipped"
-    records = [{k: v for k, v in asdict(r).items() if k not in ("ratios", "groups")} for r in rows]
+    records = [{k: v for k, v in asdict(r).items() if k not in PER_POINT} for r in rows]
     out.file.write(emit(records, fmt, "projection backtests (predicted / measured - 1)", cells, BACKTEST_COLUMNS,
                         right=("points", "median error", "median |error|", "worst error", "in band", "half-width")))
     if fmt == Format.table:
