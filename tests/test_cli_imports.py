@@ -13,8 +13,9 @@ import pytest
 import flows
 from flows import REPO
 
-# What a command may need once it runs, never to print its help.
-HEAVY = ("paramiko", "pydantic", "ruamel", "prefect", "pyarrow", "pandas", "matplotlib", "fabric", "numpy", "torch")
+# What a command may need once it runs, never to print its help (click prints help; rich only a command's output).
+HEAVY = ("paramiko", "pydantic", "ruamel", "prefect", "pyarrow", "pandas", "matplotlib", "fabric", "numpy", "torch",
+         "rich")
 # Typer's own sub-command parser imports pydantic (typer._adapters): beyond kdbench's reach.
 HEAVY_SUB = tuple(m for m in HEAVY if m != "pydantic")
 

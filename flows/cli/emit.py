@@ -12,10 +12,11 @@ import io
 import json
 import math
 from enum import Enum
-from typing import Any, Mapping, Sequence
+from functools import cache
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
 
 PIPED_WIDTH = 10_000   # wide enough that no table folds: rich then sizes it to its content
 
@@ -26,10 +27,27 @@ class Format(str, Enum):
     json = "json"
 
 
-def console(stderr: bool = False) -> Console:
+# rich loads when a command first prints, never for `--help` (click prints that): consoles are made on
+# first use and kept.
+@cache
+def term(stderr: bool = False, soft_wrap: bool = False) -> "Console":
+    """A plain console on stdout or stderr."""
+    from rich.console import Console
+    return Console(stderr=stderr, soft_wrap=soft_wrap)
+
+
+@cache
+def console(stderr: bool = False) -> "Console":
     """A console that folds tables only on a real terminal."""
+    from rich.console import Console
     probe = Console(stderr=stderr)
     return probe if probe.is_terminal else Console(stderr=stderr, width=PIPED_WIDTH, soft_wrap=True)
+
+
+def escape(text: str) -> str:
+    """`text` with rich's markup escaped, for printing untrusted strings."""
+    from rich.markup import escape as rich_escape
+    return rich_escape(text)
 
 
 def _plain(v: Any) -> Any:
@@ -55,6 +73,7 @@ def emit(rows: Sequence[Mapping[str, Any]], fmt: Format, title: str = "",
         return buf.getvalue()
     header = list(header or (rows[0].keys() if rows else []))
     cells = cells if cells is not None else [["-" if r.get(k) is None else str(r.get(k)) for k in header] for r in rows]
+    from rich.table import Table
     table = Table(title=title or None)
     for col in header:
         table.add_column(col, justify="right" if col in right else "left", overflow="fold")

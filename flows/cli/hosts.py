@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+
+from flows.cli.emit import escape, term
 
 if TYPE_CHECKING:
     from flows.transport.probe import ProbeResult
@@ -24,8 +24,8 @@ HostsDir = typer.Option(
     show_default=False,
 )
 
-out = Console(soft_wrap=True)
-err = Console(stderr=True)
+out = partial(term, soft_wrap=True)
+err = partial(term, stderr=True)
 
 
 def _dir(hosts: Optional[Path]) -> Path:
@@ -35,7 +35,7 @@ def _dir(hosts: Optional[Path]) -> Path:
 
 def fail(message: str, code: int = 2) -> typer.Exit:
     """Print one clear message (no traceback) and return the Exit to raise."""
-    err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    err().print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -53,6 +53,7 @@ def list_hosts(hosts: Optional[Path] = HostsDir) -> None:
         inv = load_inventory(_dir(hosts))
     except InventoryError as e:
         raise fail(str(e)) from None
+    from rich.table import Table
     table = Table(title=f"hosts ({len(inv.hosts)})")
     for col in ("name", "GPUs", "arch", "status", "reason", "last seen"):
         table.add_column(col)
@@ -60,7 +61,7 @@ def list_hosts(hosts: Optional[Path] = HostsDir) -> None:
         gpu = inv.specs[h.spec].gpu
         table.add_row(h.name, f"{h.gpus}x {gpu}" if h.gpus else gpu, h.arch, h.status,
                       h.retired_reason or "-", _when(h.last_seen))
-    out.print(table)
+    out().print(table)
 
 
 @hosts_app.command("add")
@@ -99,7 +100,7 @@ def add(
         path = write_new_host(d, host)
     except InventoryError as e:
         raise fail(str(e)) from None
-    out.print(f"wrote {path}; next: kdbench hosts trust {name}", highlight=False)
+    out().print(f"wrote {path}; next: kdbench hosts trust {name}", highlight=False)
 
 
 @hosts_app.command("trust")
@@ -129,37 +130,37 @@ def trust(
     fp = fingerprint(key)
     pinned = host.fingerprints()
     if pinned == [fp]:
-        out.print(f"{name}: {fp} is already pinned", highlight=False)
+        out().print(f"{name}: {fp} is already pinned", highlight=False)
         return
-    out.print(f"{name} presents {key.get_name()} {fp}", highlight=False)
+    out().print(f"{name} presents {key.get_name()} {fp}", highlight=False)
     if pinned:
-        out.print(f"[yellow]currently pinned:[/yellow] {', '.join(pinned)} (this replaces it)", highlight=False)
+        out().print(f"[yellow]currently pinned:[/yellow] {', '.join(pinned)} (this replaces it)", highlight=False)
     if not yes and not typer.confirm("Pin this key?", default=False):
         raise fail("not pinned", 1)
     try:
         update_host(d, name, host_keys=[key_line(key)])
     except InventoryError as e:
         raise fail(str(e)) from None
-    out.print(f"{name}: pinned {fp}", highlight=False)
+    out().print(f"{name}: pinned {fp}", highlight=False)
     if host.status == "retired":
-        out.print(f"{name} is still retired ({host.retired_reason}); `kdbench hosts activate {name}` to use it")
+        out().print(f"{name} is still retired ({host.retired_reason}); `kdbench hosts activate {name}` to use it")
 
 
 def _show(r: ProbeResult) -> None:
     from flows.inventory.scrub import line
 
     colour = "green" if r.outcome == "ok" else "red"
-    out.print(f"{r.host}: [{colour}]{r.outcome}[/{colour}] ({r.elapsed_s:.2f} s) {line(r.detail)}", highlight=False)
+    out().print(f"{r.host}: [{colour}]{r.outcome}[/{colour}] ({r.elapsed_s:.2f} s) {line(r.detail)}", highlight=False)
     if r.outcome == "host_key_changed":
-        out.print(f"  pinned {', '.join(r.pinned_fingerprints) or '-'}; presented {r.presented_fingerprint}",
+        out().print(f"  pinned {', '.join(r.pinned_fingerprints) or '-'}; presented {r.presented_fingerprint}",
                   highlight=False)
     if r.outcome == "ok":
         f = r.facts
         gpus = f"{f['gpu_count']}x {f['gpu_names'][0]}" if f["gpu_count"] else "no GPU"
-        out.print("  " + line(f"{gpus}, arch {f['arch_found']}, driver {f['driver'] or '-'}, python {f['python']}, "
+        out().print("  " + line(f"{gpus}, arch {f['arch_found']}, driver {f['driver'] or '-'}, python {f['python']}, "
                         f"torch {f['torch']}, triton {f['triton']}, {f['disk_free_gb']} GB free"), highlight=False)
     for m in r.mismatches:
-        out.print(f"  [yellow]mismatch[/yellow] {line(m)}", highlight=False)
+        out().print(f"  [yellow]mismatch[/yellow] {line(m)}", highlight=False)
 
 
 @hosts_app.command("check")
@@ -220,7 +221,7 @@ def retire_cmd(
         h = retire(_dir(hosts), name, reason)  # type: ignore[arg-type]
     except InventoryError as e:
         raise fail(str(e)) from None
-    out.print(f"{h.name}: retired ({h.retired_reason})", highlight=False)
+    out().print(f"{h.name}: retired ({h.retired_reason})", highlight=False)
 
 
 @hosts_app.command("activate")
@@ -233,5 +234,5 @@ def activate_cmd(name: str = typer.Argument(..., help="Host to put back into ser
         h = activate(_dir(hosts), name)
     except InventoryError as e:
         raise fail(str(e)) from None
-    out.print(f"{h.name}: active", highlight=False)
+    out().print(f"{h.name}: active", highlight=False)
 

@@ -5,18 +5,17 @@ The notes, the projection and the store are imported when a command runs, so `kd
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
 from flows import REPO
-from flows.cli.emit import Format, console, emit
+from flows.cli.emit import Format, console, emit, escape, term
 
-out = console()
-err = Console(stderr=True)
+out = console
+err = partial(term, stderr=True)
 
 Artifacts = typer.Option(None, "--artifacts", envvar="KDBENCH_ARTIFACTS", show_default=False,
                          help="Artifacts store: a folder or a pyarrow filesystem URI (default: the repo's artifacts/).")
@@ -37,7 +36,7 @@ def _expected() -> tuple[type[Exception], ...]:
 
 
 def _fail(message: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    err().print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 
@@ -71,8 +70,8 @@ def notes(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir
         raise _fail(str(e)) from None
     for v in views:
         why = failed.get(v.name) or v.missing
-        out.print(f"{v.name}: {v.kind}" + (f" ({escape(why)})" if why and v.kind != "measured" else ""), highlight=False)
-    out.print(f"{len(paths)} file(s) under {docs.name}/notes/"
+        out().print(f"{v.name}: {v.kind}" + (f" ({escape(why)})" if why and v.kind != "measured" else ""), highlight=False)
+    out().print(f"{len(paths)} file(s) under {docs.name}/notes/"
               + (f"; committed {sha[:10]}" if sha else "; nothing to commit" if commit else ""), highlight=False)
 
 
@@ -100,7 +99,7 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
         store, inv = Store(artifacts), load_inventory(hosts or default_hosts_dir())
         rows = backtests_of(store, inv)
         if not rows:
-            out.print("no measured data: record a reference (artifacts/reference/<name>/) or run a host first")
+            out().print("no measured data: record a reference (artifacts/reference/<name>/) or run a host first")
             return
         store_backtest(store, rows)
     except _expected() as e:
@@ -110,12 +109,12 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
         if r.skipped:
             c[-1] = "skipped"
     records = [{k: v for k, v in asdict(r).items() if k not in PER_POINT} for r in rows]
-    out.file.write(emit(records, fmt, "projection backtests (predicted / measured - 1)", cells, BACKTEST_COLUMNS,
+    out().file.write(emit(records, fmt, "projection backtests (predicted / measured - 1)", cells, BACKTEST_COLUMNS,
                         right=("points", "median error", "median |error|", "worst error", "in band", "half-width")))
     if fmt == Format.table:
         for r in rows:
             if r.skipped:
-                out.print(f"skipped: {escape(f'{r.kind} {r.family} ({r.reference}): {r.detail}')}",
+                out().print(f"skipped: {escape(f'{r.kind} {r.family} ({r.reference}): {r.detail}')}",
                           highlight=False, soft_wrap=True)
 
 
@@ -141,4 +140,4 @@ def import_cmd(file: Path = typer.Argument(..., help="CSV or JSON of kernel poin
         import_file(file, name, artifacts or default_root(), load_inventory(hosts or default_hosts_dir()), replace)
     except (ImportFileError, InventoryError, StoreError, OSError) as e:
         raise _fail(str(e)) from None
-    out.print(f"wrote reference/{escape(name)}/ from {escape(file.name)}", highlight=False)
+    out().print(f"wrote reference/{escape(name)}/ from {escape(file.name)}", highlight=False)

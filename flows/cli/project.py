@@ -116,11 +116,11 @@ def project_cmd(host: str = typer.Argument(..., help="Inventory host to answer f
     source = "its own measured run" if data.host == host and not model.cross_host else f"{data.name} ({data.run_id})"
     text = emit(rows, fmt, f"{host}: step model answers from {source}", [_cells(r) for r in rows], HEADER,
                 right=("tp", "C", "context", "B", "accept", "tokens/s", "step ms", "comm ms"))
-    out.file.write(text)
+    out().file.write(text)
     if fmt == Format.table:
         if not evidence:
-            err.print("no backtest stored: every band is unknown until `kdbench backtest` runs", highlight=False)
+            err().print("no backtest stored: every band is unknown until `kdbench backtest` runs", highlight=False)
         for note in dict.fromkeys(n for a in items for n in a.step.notes):
-            out.print(f"note: {note}", highlight=False, soft_wrap=True)
+            out().print(f"note: {note}", highlight=False, soft_wrap=True)
         if store_it:
-            out.print(f"stored as projected run {run_id} of {host}", highlight=False)
+            out().print(f"stored as projected run {run_id} of {host}", highlight=False)

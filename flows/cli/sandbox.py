@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
+from flows.cli.emit import escape, term
 
 # The sandbox (psutil, cryptography, the inventory) is imported inside each command: `--help` needs none of it.
 sandbox_app = typer.Typer(help="Local sandbox hosts: real sshd servers on loopback, with faults on demand.",
@@ -17,12 +16,12 @@ sandbox_app = typer.Typer(help="Local sandbox hosts: real sshd servers on loopba
 
 StateDir = typer.Option(None, "--state", envvar="KDBENCH_SANDBOX",
                         help="Sandbox state folder (default: the repo's .sandbox/).", show_default=False)
-out = Console(soft_wrap=True)
-err = Console(stderr=True)
+out = partial(term, soft_wrap=True)
+err = partial(term, stderr=True)
 
 
 def _fail(e: Exception) -> typer.Exit:
-    err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+    err().print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 
@@ -39,9 +38,9 @@ def up_cmd(
         hosts_dir = up(count, names=name, state_dir=state)
     except SandboxError as e:
         raise _fail(e) from None
-    out.print(f"sandbox up: {', '.join(r['name'] for r in status(state))}", highlight=False)
-    out.print(f"inventory: {hosts_dir}", highlight=False)
-    out.print(f"try: kdbench hosts check --hosts {hosts_dir}", highlight=False)
+    out().print(f"sandbox up: {', '.join(r['name'] for r in status(state))}", highlight=False)
+    out().print(f"inventory: {hosts_dir}", highlight=False)
+    out().print(f"try: kdbench hosts check --hosts {hosts_dir}", highlight=False)
 
 
 @sandbox_app.command("down")
@@ -50,7 +49,7 @@ def down_cmd(state: Optional[Path] = StateDir) -> None:
     from flows.transport.sandbox import down
 
     down(state)
-    out.print("sandbox down")
+    out().print("sandbox down")
 
 
 @sandbox_app.command("status")
@@ -60,15 +59,16 @@ def status_cmd(state: Optional[Path] = StateDir) -> None:
 
     rows = status(state)
     if not rows:
-        out.print(f"no sandbox in {state or default_state_dir()}", highlight=False)
+        out().print(f"no sandbox in {state or default_state_dir()}", highlight=False)
         return
+    from rich.table import Table
     table = Table(title="sandbox hosts")
     for col in ("name", "address", "port", "process", "pid", "faults", "host key"):
         table.add_column(col)
     for r in rows:
         table.add_row(r["name"], r["address"], str(r["port"]), r["process"] or "stopped", str(r["pid"] or "-"),
                       ", ".join(r["faults"]) or "-", r["host_key"])
-    out.print(table)
+    out().print(table)
 
 
 @sandbox_app.command("fault")
@@ -87,4 +87,4 @@ def fault_cmd(
         fault(name, kind, state)  # type: ignore[arg-type]
     except SandboxError as e:
         raise _fail(e) from None
-    out.print(f"{name}: {kind}", highlight=False)
+    out().print(f"{name}: {kind}", highlight=False)

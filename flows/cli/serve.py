@@ -16,21 +16,21 @@ Prefect and the flows are imported inside the commands that need them, so `kdben
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
+from flows.cli.emit import escape, term
 from flows.pipelines.server import (DEFAULT_HOME, DEFAULT_PORT, PID_FILE, ServerError, healthy, server_process,
                                     start_server, stop_process)
 
-err = Console(stderr=True)
+err = partial(term, stderr=True)
 
 
 def _fail(message: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    err().print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 
@@ -59,14 +59,14 @@ def server(
         return
     if healthy(url):
         print(url)
-        err.print(f"a Prefect server already answers on {url}")
+        err().print(f"a Prefect server already answers on {url}")
         return
     try:
         pid, url = start_server(home, port, ui=ui)
     except ServerError as e:
         raise _fail(str(e)) from None
     print(url)
-    err.print(f"Prefect server started (pid {pid}, state in {home})"
+    err().print(f"Prefect server started (pid {pid}, state in {home})"
               + (f"; UI at {url.removesuffix('/api')}" if ui else "") + "\n"
               f"  export PREFECT_API_URL={url}\n  stop it with: kdbench server --stop")
 
@@ -93,6 +93,6 @@ def serve(
     from flows.pipelines.settings import SettingsError
 
     try:
-        serve_deployments(pool, hosts, lambda text: err.print(text))
+        serve_deployments(pool, hosts, lambda text: err().print(text))
     except (ServeError, SettingsError, InventoryError) as e:
         raise _fail(str(e)) from None

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
+from flows.cli.emit import escape
 from flows.cli.hosts import fail, out
 
 store_app = typer.Typer(help="The artifacts store: migrate an old layout, rebuild manifests.", no_args_is_help=True,
@@ -39,12 +39,12 @@ def migrate_cmd(artifacts: Optional[str] = Artifacts,
         report = migrate(Store(artifacts), break_lock)
     except (StoreError, SchemaError, OSError) as e:
         raise fail(str(e)) from None
-    out.print(f"migrated {len(report.runs)} run(s)" + (f": {escape(', '.join(report.runs))}" if report.runs else ""),
+    out().print(f"migrated {len(report.runs)} run(s)" + (f": {escape(', '.join(report.runs))}" if report.runs else ""),
               highlight=False)
     for path, why in report.set_aside.items():
-        out.print(f"[yellow]set aside[/yellow] {escape(path)}: {escape(why)}", highlight=False)
+        out().print(f"[yellow]set aside[/yellow] {escape(path)}: {escape(why)}", highlight=False)
     for run in report.index_only:
-        out.print(f"[yellow]in the old index only[/yellow] (no files): {escape(run)}", highlight=False)
+        out().print(f"[yellow]in the old index only[/yellow] (no files): {escape(run)}", highlight=False)
     if report.set_aside:
         raise typer.Exit(1)
 
@@ -66,15 +66,15 @@ def reindex_cmd(artifacts: Optional[str] = Artifacts) -> None:
         report = Store(artifacts).reindex()
     except (StoreError, SchemaError, OSError) as e:
         raise fail(str(e)) from None
-    out.print(f"{len(report.written)} manifest(s) written, {len(report.unchanged)} unchanged, "
+    out().print(f"{len(report.written)} manifest(s) written, {len(report.unchanged)} unchanged, "
               f"{len(report.removed)} removed (no files left)", highlight=False)
     for path, why in report.set_aside.items():
-        out.print(f"[yellow]set aside[/yellow] {escape(path)} (under quarantine/_manifests/): {escape(why)}",
+        out().print(f"[yellow]set aside[/yellow] {escape(path)} (under quarantine/_manifests/): {escape(why)}",
                   highlight=False)
     for run in report.orphans:
-        out.print(f"[yellow]orphan[/yellow] {escape(run)}: files without a runs table (an ingest that never finished)",
+        out().print(f"[yellow]orphan[/yellow] {escape(run)}: files without a runs table (an ingest that never finished)",
                   highlight=False)
     for run, why in report.bad.items():
-        out.print(f"[red]bad[/red] {escape(run)}: {escape(why)}", highlight=False)
+        out().print(f"[red]bad[/red] {escape(run)}: {escape(why)}", highlight=False)
     if report.orphans or report.bad or report.set_aside:
         raise typer.Exit(1)
