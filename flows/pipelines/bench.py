@@ -58,6 +58,7 @@ class Route(StrEnum):
 
     MEASURED = "measured"
     PYTHON_LACKS_TORCH = "python_lacks_torch"
+    WRONG_GPU = "wrong_gpu"
     RETIRED = "retired"
     NOT_CONFIGURED = "not_configured"
     UNAUTHORIZED = ProbeOutcome.UNAUTHORIZED.value
@@ -76,7 +77,7 @@ class RunOutcome(StrEnum):
     UNMEASURED = "unmeasured"
 
 
-REACHED = (Route.MEASURED, Route.PYTHON_LACKS_TORCH)  # routes of a reachable host: never projected
+REACHED = (Route.MEASURED, Route.PYTHON_LACKS_TORCH, Route.WRONG_GPU)  # routes of a reachable host: never projected
 
 
 class RunReport(BaseModel):
@@ -254,7 +255,14 @@ def bench(host: str, suites: list[str] | None = None, profile: str | None = None
                                detail="address is a placeholder: not contacted")
         else:
             res = probe_with_retries(h, s)
-            if res.outcome == ProbeOutcome.OK:
+            if res.outcome == ProbeOutcome.OK and res.wrong_gpu:
+                # measured figures would be filed, and projected, under a machine the host is not
+                update_host(s.hosts_dir, host, unreachable_runs=0, last_seen=now())
+                log.error("%s not measured: %s; fix `spec` in its YAML (or the host)", host, host_text(h, res.wrong_gpu))
+                report = RunReport(host=host, route=Route.WRONG_GPU, outcome=RunOutcome.UNMEASURED,
+                                   detail=f"not measured: {host_text(h, res.wrong_gpu)}; fix `spec` in hosts/{host}.yaml "
+                                          "or the host")
+            elif res.outcome == ProbeOutcome.OK:
                 update_host(s.hosts_dir, host, unreachable_runs=0, last_seen=now())
                 report = RunReport(host=host, route=Route.MEASURED, outcome=RunOutcome.MEASURED)
                 try:

@@ -31,6 +31,7 @@ class ProbeResult(BaseModel):
     presented_fingerprint: str | None = None
     facts: dict[str, Any] = {}
     mismatches: list[str] = []
+    wrong_gpu: str | None = None  # the mismatch when the host's GPUs are not its spec's model
 
 
 # One small program, run with the host's own python, reports what the host really has.
@@ -96,16 +97,24 @@ def _parse_facts(stdout: str) -> dict[str, Any]:
     return facts
 
 
+def _wrong_gpu(host: Host, facts: dict[str, Any], gpu_model: str | None) -> str | None:
+    """The mismatch when a GPU the host reports is not the model its spec sheet names, else None."""
+    if gpu_model and host.gpus and facts["gpu_names"]:
+        others = sorted({n for n in facts["gpu_names"] if gpu_model.lower() not in n.lower()})
+        if others:
+            return f"gpu: spec says {gpu_model}, host has {', '.join(others)}"
+    return None
+
+
 def _mismatches(host: Host, facts: dict[str, Any], gpu_model: str | None) -> list[str]:
     out = []
     if facts["arch_found"] != host.arch:
         out.append(f"arch: inventory says {host.arch}, host has {facts['arch_found']}")
     if facts["gpu_count"] != host.gpus:
         out.append(f"gpus: inventory says {host.gpus}, host has {facts['gpu_count']}")
-    if gpu_model and host.gpus and facts["gpu_names"]:
-        others = sorted({n for n in facts["gpu_names"] if gpu_model.lower() not in n.lower()})
-        if others:
-            out.append(f"gpu: spec says {gpu_model}, host has {', '.join(others)}")
+    wrong = _wrong_gpu(host, facts, gpu_model)
+    if wrong:
+        out.append(wrong)
     if facts["python"] is None:
         out.append(f"python: {host.python!r} did not run on the host")
     elif facts["torch"] is None:
@@ -142,6 +151,8 @@ def probe(host: Host, hosts_dir: Path, timeouts: Timeouts = Timeouts()) -> Probe
         remote.close()
     facts = _parse_facts(res.stdout)
     spec = load_specs(Path(hosts_dir)).get(host.spec)
-    mismatches = _mismatches(host, facts, spec.gpu if spec and host.arch != "cpu" else None)
+    model = spec.gpu if spec and host.arch != "cpu" else None
+    mismatches = _mismatches(host, facts, model)
     detail = "connected" + (f"; {len(mismatches)} mismatch(es) with the inventory" if mismatches else "")
-    return result(ProbeOutcome.OK, detail, presented, facts=facts, mismatches=mismatches)
+    return result(ProbeOutcome.OK, detail, presented, facts=facts, mismatches=mismatches,
+                  wrong_gpu=_wrong_gpu(host, facts, model))
