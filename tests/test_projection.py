@@ -202,3 +202,19 @@ def test_synthetic_run_is_schema_valid(tmp_path: Path) -> None:
     moe = [r for r in read_table(out / "kernels.arrow").to_pylist() if r["kernel"] == "moe_w4a16"]
     # the unique-expert count follows the K2 top-8-of-384 expectation
     assert [r["unique_experts"] for r in moe[:4]] == [8, 16, 31, 60]
+
+
+def test_a_baseline_implementation_is_not_projected_at_the_engine_kernels_speed(tmp_path: Path, inv: Inventory) -> None:
+    """The MoE family's model is fitted on the engine's kernel; torch's baseline at the same shape (here
+    50x slower) carries its own time, on the reference and on another machine."""
+    ref = load_reference(_store(tmp_path), inv, "h200")
+    kern = table_rows(ref.tables["kernels"], "kernels")
+    fast = next(k for k in kern if k.kernel == "moe_w4a16" and k.M == 1)
+    slow = dataclasses.replace(fast, impl="torch", time_us_p50=50 * fast.time_us_p50,
+                               time_us_p10=49 * fast.time_us_p50, time_us_p90=51 * fast.time_us_p50)
+    tables = {**ref.tables, "kernels": pa.concat_tables([ref.tables["kernels"], pa.Table.from_pylist(
+        [dataclasses.asdict(slow)], schema=ref.tables["kernels"].schema)])}
+    for target in (Machine("h200", ref.machine.spec, 1, "none"), Machine("b300", inv.specs["b300-sxm"], 1, "none")):
+        got = {(k["impl"], k["M"]): k["time_us_p50"] for k in project(tables, ref.machine, target)["kernels"].to_pylist()
+               if k["kernel"] == "moe_w4a16"}
+        assert got[("torch", 1)] > 10 * got[("triton", 1)], target.name

@@ -319,11 +319,20 @@ def compare(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bo
     return out
 
 
+def _with_comm_of(p: E2ERow, m: E2ERow) -> float:
+    """The projected tokens/s with the measured row's all-reduce when that row modelled it (one rank of a
+    TP-N deployment timed on one GPU, its comm_ms from the engine's alpha-beta model): the carrier is
+    judged on the step it projects, not on the comm model of a machine the row did not run on."""
+    if m.comm_source != CommSource.MODELLED or p.step_ms_p50 is None:
+        return p.tokens_per_s
+    return p.tokens_per_s * (p.step_ms_p50 + (p.comm_ms or 0.0)) / (p.step_ms_p50 + (m.comm_ms or 0.0))
+
+
 def _e2e_pairs(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bool) -> list[Pair]:
     """(measured, projected, group) tokens/s of the target's e2e rows."""
     if not relax_impl:
         got = {e2e_key(e): e for e in rows_of(proj, "e2e")}
-        return [(m.tokens_per_s, p.tokens_per_s, e2e_key(m)) for m in rows_of(tgt.tables, "e2e")
+        return [(m.tokens_per_s, _with_comm_of(p, m), e2e_key(m)) for m in rows_of(tgt.tables, "e2e")
                 if m.tokens_per_s for p in [got.get(e2e_key(m))] if p]
     # an outside serving figure states no tree budget, acceptance or prompt length: the step model
     # answers it at the reference's budget and shortest prompts, at each acceptance the reference

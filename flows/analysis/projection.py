@@ -34,7 +34,7 @@ from flows.analysis.bands import MIN_POINTS, Band, combine, step_band
 from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError,
                                      Tables, allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
 from flows.analysis.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, bound, e2e_key,
-                                     host_side, label, point_key, regime, shape_of, tp_of)
+                                     host_side, label, point_key, preferred, regime, shape_of, tp_of)
 from flows.analysis.kernelfit import class_key
 from flows.analysis.stepmodel import (COLUMN, FAMILIES, Model, answer, build, calibration_rows, config_of, query_of,
                                       step_spread)
@@ -148,9 +148,12 @@ def project_kernels(rows: list[KernelRow], model: Model, evidence: Sequence[Any]
     from the cross-host evidence of that family; the p10-p90 spread on the reference's own machine),
     else by `project_point`."""
     effs = family_effs(rows, model.ref_c)
+    # a family's model describes the implementations it was fitted on (the engine's own); a baseline of
+    # another (torch's) carries its own points, never the engine kernel's speed
+    fitted = {(r.kernel, r.impl) for name in model.fams for r in preferred([k for k in rows if k.kernel == name])}
     out = []
     for r in rows:
-        fam = model.fams.get(r.kernel)
+        fam = model.fams.get(r.kernel) if (r.kernel, r.impl) in fitted else None
         got = None if fam is None or host_side(r) else fam.time_us(
             class_key(r), shape_of(r), r.bytes, r.flops,
             model.carry)
