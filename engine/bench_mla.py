@@ -208,7 +208,8 @@ def sweep(out: Out) -> None:
         args = inputs(heads, batch, budget + 1, [context] * batch, "all")
         cfg = mla_tree_attention.pick_config(mla_tree_attention.capability(DEVICE), (budget + 1) * heads, DTYPE)
         tiles = batch * -(-(budget + 1) * heads // cfg.bm)
-        planned, _ = mla_tree_attention.plan_splits(tiles, context + budget + 1, cfg.bn, mla_tree_attention.sm_count(DEVICE))
+        planned, _ = mla_tree_attention.plan_splits(tiles, context + budget + 1, cfg.bn, mla_tree_attention.sm_count(DEVICE),
+                                                     mla_tree_attention.PLAN_COSTS[cfg.kernel])
         for n in sorted({1, 4, 16, 64, planned // 2 or 1, planned, 2 * planned}):
             timed(out, "mla_splits", cfg.kernel, lambda n=n: mla_tree_attention.mla_tree_attention(*args, SCALE, splits=n),
                   shape, reps=20, splits=n, planned=planned, tiles=tiles)

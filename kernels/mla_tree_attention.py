@@ -57,11 +57,28 @@ CONFIGS: dict[tuple[int, int] | None, dict[str, Config]] = {
     (9, 0): {"rows": Config("gluon_ws", 64, 64, 4, 1), "small": Config("triton", 16, 64, 4, 3)},
     None: {"rows": Config("triton", 64, 64, 8, 2), "small": Config("triton", 16, 64, 4, 2)},
 }
-# Split planner's cost model, in units of one key block's time for one row tile: a program's fixed
-# cost (load its queries, write its rows), the extra of writing fp32 partials, the combine's
-# launch, and its read of one (tile, split)'s partials spread over the chip. Set by estimate, not
-# fitted (the times in NOTES section 2 are of the plans these make).
-FIXED_BLOCKS, PARTIAL_BLOCKS, COMBINE_BLOCKS, COMBINE_PER_PART = 2.0, 1.0, 2.0, 0.02
+
+
+class PlanCosts(NamedTuple):
+    """The split planner's cost model for one row kernel, in units of one key block's time for one
+    row tile: the key blocks a program takes at a time (a split is a whole number of them), a
+    program's fixed cost (load its queries, start its pipeline, write its rows), the extra of
+    writing fp32 partials, the combine's launch, and its read of one (tile, split)'s partials."""
+
+    unit: int
+    fixed: float
+    partial: float
+    combine: float
+    per_part: float
+
+
+# Costs by row kernel. tl.dot's and v5's are estimates, not fits. gluon_ws takes its blocks in pairs
+# (one a warpgroup); its costs are a least-squares fit of its H200 times over FlashMLA's grid under
+# the estimated costs' plans (kernels/NOTES.md section 2, v7): the programs of a wave start and end
+# in step, so their queries, first loads and partials' writes are long next to a block.
+_V5_COSTS = PlanCosts(1, 2.0, 1.0, 2.0, 0.02)
+PLAN_COSTS: dict[str, PlanCosts] = {"triton": _V5_COSTS, "gluon": _V5_COSTS,
+                                    "gluon_ws": PlanCosts(2, 6.1, 7.7, 3.6, 0.0)}
 MAX_SPLITS = 128
 SPLIT_GAIN = 0.03  # splitting costs partials' memory: it must save this fraction of the time
 
@@ -202,23 +219,23 @@ def key_args(cfg: Config, ckv: Tensor, kpe: Tensor) -> tuple[Any, Any]:
                  for x in (ckv, kpe))
 
 
-def plan_splits(tiles: int, s: int, bn: int, sms: int) -> tuple[int, int]:
+def plan_splits(tiles: int, s: int, bn: int, sms: int, costs: PlanCosts = _V5_COSTS) -> tuple[int, int]:
     """(splits, keys per split) for `tiles` row tiles over an `s`-key cache, from host-known sizes.
 
     Cost in key blocks: waves of one program per SM (a tile's latent and query tiles fill its
-    shared memory) times the blocks of a split plus a program's fixed cost, plus, when split, the
-    partials' write and the combine pass. Ties go to fewer splits.
+    shared memory) times the blocks of a split (whole units) plus a program's fixed cost and, when
+    split, its partials' write; plus, when split, the combine pass. Ties go to fewer splits.
     """
     blocks = triton.cdiv(s, bn)
     best = (float("inf"), 1, blocks)
     for want in range(1, min(blocks, MAX_SPLITS) + 1):  # a split must save SPLIT_GAIN over one pass
-        per = triton.cdiv(blocks, want)
+        per = triton.cdiv(triton.cdiv(blocks, want), costs.unit) * costs.unit
         n = triton.cdiv(blocks, per)
         if n != want:
             continue
         split = n > 1
-        cost = triton.cdiv(tiles * n, sms) * (per + FIXED_BLOCKS + PARTIAL_BLOCKS * split)
-        cost += split * (COMBINE_BLOCKS + COMBINE_PER_PART * tiles * n)
+        cost = triton.cdiv(tiles * n, sms) * (per + costs.fixed + costs.partial * split)
+        cost += split * (costs.combine + costs.per_part * tiles * n)
         if cost < best[0] * (1.0 - SPLIT_GAIN * (split and best[1] == 1)):
             best = (cost, n, per)
     return best[1], best[2] * bn
@@ -242,7 +259,7 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
     kernel = rows_kernel(cfg, cap, q_nope.dtype)
     tiles = triton.cdiv(rows, cfg.bm)
     if splits is None:
-        n_splits, chunk = plan_splits(bt * tiles, s, cfg.bn, sm_count(q_nope.device))
+        n_splits, chunk = plan_splits(bt * tiles, s, cfg.bn, sm_count(q_nope.device), PLAN_COSTS[cfg.kernel])
     else:
         chunk = triton.cdiv(triton.cdiv(s, splits), cfg.bn) * cfg.bn
         n_splits = triton.cdiv(s, chunk)

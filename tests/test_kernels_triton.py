@@ -203,6 +203,20 @@ def test_mla_split_plan_fills_the_chip() -> None:
         assert n >= least, (tiles, n)
 
 
+
+def test_mla_split_plan_for_gluon_ws_takes_whole_pairs() -> None:
+    """gluon_ws takes key blocks in pairs and pays much more a wave than v5's estimate: its splits are
+    whole pairs, and where tiles just overflow a wave it keeps one split rather than paying partials."""
+    from kernels.mla_tree_attention import CONFIGS, PLAN_COSTS, plan_splits
+
+    assert {c.kernel for table in CONFIGS.values() for c in table.values()} <= PLAN_COSTS.keys()
+    ws = PLAN_COSTS["gluon_ws"]
+    for tiles, s in ((3, 4113), (24, 16401), (136, 4113), (17, 65553), (48, 4113), (272, 16401)):
+        n, chunk = plan_splits(tiles, s, 64, 132, ws)
+        assert chunk % 128 == 0 and (n - 1) * chunk < s <= n * chunk, (tiles, s, n, chunk)
+    assert plan_splits(136, 4113, 64, 132) == (3, 22 * 64)
+    assert plan_splits(136, 4113, 64, 132, ws) == (1, 66 * 64)
+
 def _draft(bt: int, length: int, k: int, seed: int, ties: bool) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     lp = F.log_softmax(torch.randn(bt, length, 40, generator=g) * 2, -1).topk(k, -1).values
