@@ -116,10 +116,13 @@ def time_op(fn: Callable[[], object], device: torch.device, repeats: int, warmup
     return _summary([a.elapsed_time(b) * 1e3 for a, b in pairs], g is not None)
 
 
-def host_us(fn: Callable[[], object], device: torch.device, calls: int = 10, rounds: int = 5, warmup: int = 3) -> float:
+def host_us(fn: Callable[[], object], device: torch.device, calls: int = 10, rounds: int = 20, warmup: int = 3) -> float:
     """Host time of one eager call of fn, called back to back: no graph, no synchronization between
-    the calls of a round (the GPU runs behind), median over `rounds` rounds of `calls` calls. What an
-    eager caller (prefill, the first decode steps) pays on the CPU per call, beside the GPU time."""
+    the calls of a round (the GPU runs behind), the device idle at each round's start; the median over
+    `rounds` rounds of a round's mean over its `calls` calls. What an eager caller (prefill, the first
+    decode steps) pays on the CPU per call, beside the GPU time, slow calls included: while the GPU is
+    milliseconds behind, some calls take several times the median one (kernels/NOTES.md v18), so a
+    round's mean scatters, and the many rounds keep one round from moving the figure."""
     for _ in range(warmup):
         fn()
     per_call = []

@@ -54,6 +54,20 @@ def test_host_us_times_calls_back_to_back_per_call(monkeypatch: pytest.MonkeyPat
     assert us == pytest.approx(1e6 / 4), "one second a round of four calls"
 
 
+def test_host_us_takes_the_median_of_many_rounds(monkeypatch: pytest.MonkeyPatch):
+    """Twenty rounds by default: one slow round in five (a stall while the GPU queue is long) does not
+    move the figure."""
+    import engine.timing as timing
+
+    rounds_seen = []
+    readings = iter([t for r in range(20) for t in (100.0 * r, 100.0 * r + (50 if r % 5 == 0 else 1))])
+    clock = lambda: next(readings)  # noqa: E731 - a round's start and end: 1 s, every fifth 50 s
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+    us = host_us(lambda: rounds_seen.append(1), torch.device("cpu"), calls=1, warmup=0)
+    assert len(rounds_seen) == 20
+    assert us == pytest.approx(1e6), "one second a call in four rounds of five"
+
+
 def test_the_l2_flush_only_reads_its_buffer():
     """A flush that writes (a zeroed buffer) leaves dirty lines that the timed op then pays to write back."""
     scratch = torch.full((1 << 16,), 7, dtype=torch.uint8)
