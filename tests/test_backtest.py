@@ -160,3 +160,14 @@ def test_the_stored_backtest_is_the_same_bytes_every_time(store: Store, inv: Inv
     first = backtests_of(store, inv)  # kept alive: a second run cannot reuse its rows' addresses
     second = backtests_of(store, inv)
     assert first and [dataclasses.asdict(r) for r in first] == [dataclasses.asdict(r) for r in second]
+
+
+def test_a_modelled_comm_is_judged_at_the_measured_rows_own() -> None:
+    """A one-GPU rank's comm is modelled by the bench, not measured: the projected tokens/s is compared at
+    the row's own comm, so the carrier is judged on the step alone; a measured comm is judged as is."""
+    from engine.rows import E2ERow
+    from flows.analysis.backtest import _at_comm_of
+
+    proj = E2ERow(step_ms_p50=10.0, comm_ms=0.0, tokens_per_s=120.0)
+    assert _at_comm_of(proj, E2ERow(comm_source="modelled", comm_ms=2.0)) == pytest.approx(100.0)
+    assert _at_comm_of(proj, E2ERow(comm_source="measured", comm_ms=2.0)) == 120.0

@@ -202,3 +202,38 @@ def test_synthetic_run_is_schema_valid(tmp_path: Path) -> None:
     moe = [r for r in read_table(out / "kernels.arrow").to_pylist() if r["kernel"] == "moe_w4a16"]
     # the unique-expert count follows the K2 top-8-of-384 expectation
     assert [r["unique_experts"] for r in moe[:4]] == [8, 16, 31, 60]
+
+
+def test_a_baseline_point_keeps_its_own_efficiency_not_the_kernel_models(tmp_path: Path, inv: Inventory) -> None:
+    """A family's model is fitted on the engine's own kernel: a torch baseline at the same shape, far slower,
+    is carried by its own efficiency, never handed the engine kernel's time (the H200 -> H100 backtest
+    had the MoE's torch baselines projected 99 % too fast)."""
+    from support.runs import rewrite_table
+
+    ref_dir = write_run(tmp_path / "art" / "reference" / "h200")
+    rewrite_table(ref_dir, "kernels", lambda rows: rows + [
+        {**r, "impl": "torch", **{k: r[k] * 100 for k in ("time_us_p10", "time_us_p50", "time_us_p90")}}
+        for r in rows if r["kernel"] == "moe_w4a16" and r["M"] == 1])
+    ref = load_reference(Store(str(tmp_path / "art")), inv, "h200")
+    kern = project(ref.tables, ref.machine, Machine("h100", inv.specs["h100-sxm"], 1, "none"))["kernels"].to_pylist()
+    at_one = {k["impl"]: k["time_us_p50"] for k in kern if k["kernel"] == "moe_w4a16" and k["M"] == 1}
+    assert at_one["torch"] > 50 * at_one["triton"]
+
+
+def test_a_changed_kernel_is_reported_apart_from_the_carriers_error(tmp_path: Path, inv: Inventory) -> None:
+    """Two measured hosts whose attention ran other code: those points (and the e2e steps they are part of)
+    are rows of kind "kernel changed", and no "cross-host" row (what bands rest on) holds them."""
+    from support.runs import rewrite_table
+
+    store = _store(tmp_path)
+    run = write_run(tmp_path / "art" / "reference" / "h100", host="h100", run_id="h100-1", bw=3000.0, gpu="H100",
+                    started_at="2026-12-05T16:20:00Z")
+    rewrite_table(run, "kernels", lambda rows: [{**r, "impl": "gluon_ws"} if r["kernel"] == "mla_tree_attention"
+                                                else r for r in rows])
+    rows = cross_host(measured_datasets(store, inv))
+    fwd = [r for r in rows if (r.reference, r.target) == ("h200", "h100")]
+    changed = {r.family for r in fwd if r.kind == "kernel changed"}
+    assert changed == {"mla_tree_attention/gluon_ws vs triton", "e2e tokens/s"}
+    assert not any(r.kind == "cross-host" and r.family.startswith(("mla_tree_attention", "e2e tokens/s")) for r in fwd)
+    assert any(r.kind == "cross-host" and r.family == "moe_w4a16/triton" for r in fwd)   # same code: judged
+    assert all(r.kind == "cross-host" for r in rows if (r.reference, r.target) == ("h200", "h200"))
