@@ -118,3 +118,19 @@ def test_a_projected_answer_takes_the_evidence_of_its_carries(tmp_path: Path, in
     rich = step_band(there, narrow + [row("cross-host", "e2e tokens/s", _ratios(12, 0.1))], 0.0)
     assert rich.known and rich.half_width() > step_band(here, narrow, 0.0).half_width()
     assert not step_band(here, [], 0.0).known                 # no backtest stored: nothing to build a band on
+
+
+def test_rate_evidence_counts_as_time_and_only_from_the_reference() -> None:
+    """Cross-host e2e rows hold measured / projected tokens/s; a band is on time, so a projection that
+    was too fast (ratio 0.8 in tokens/s) is a measured time 1.25x the predicted one. A carry the other
+    way round (reference h100) is the same points mirrored: a projection from h200 never counts it."""
+    from flows.analysis.bands import evidence_of, from_reference
+    from flows.analysis.backtest import BacktestRow
+
+    fwd = BacktestRow("cross-host", "h200", "h100", "e2e tokens/s", "e2e", 6, ratios=(0.8,) * 6)
+    back = BacktestRow("cross-host", "h100", "h200", "e2e tokens/s", "e2e", 6, ratios=(1.25,) * 6)
+    less = BacktestRow("cross-host", "h200", "h100", "e2e step less attention", "e2e", 2, ratios=(1.1, 1.1))
+    kept = from_reference([fwd, back, less], "h200")
+    assert kept == [fwd, less]
+    ratios, _ = evidence_of(kept, "cross-host")
+    assert ratios == pytest.approx((1.25,) * 6 + (1.1, 1.1))

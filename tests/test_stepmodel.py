@@ -173,3 +173,24 @@ def test_cross_host_answers_carry_and_say_so(ref, inv: Inventory) -> None:
     assert there.ms["moe"] < here.ms["moe"]                 # more bandwidth and SMs: the MoE runs faster
     assert there.ms["tree"] == pytest.approx(here.ms["tree"])   # latency-bound tree kernels stay as measured
     assert there.ms["host"] == pytest.approx(here.ms["host"])
+
+
+def test_a_weight_stream_stays_in_the_bandwidth_term_where_the_bytes_barely_vary(inv: Inventory) -> None:
+    """A dense GEMM reads its weights at every M: bytes nearly constant, so least squares may put the whole
+    stream in the latency, which the carrier keeps as is (the H200 -> H100 backtest had the lm-head's
+    518 us carried unchanged onto a machine with 0.7x the bandwidth). Its memory-bound points' bytes move at
+    the copy bandwidth, so the stream carries with the bandwidth."""
+    from engine.rows import KernelRow
+    from flows.analysis.kernelfit import Carry
+
+    bw, tf, weights = 4200.0, 790.0, 2.35e9
+    pts = [KernelRow(kernel="dense_gemm", impl="torch", dtype="bfloat16", op="lm_head", M=m, N=163840, K=7168,
+                     bytes=weights + m * 7168 * 2.0, flops=2.0 * m * 163840 * 7168,
+                     time_us_p50=(weights + m * 7168 * 2.0) / (0.95 * bw * 1e3) + 2.0 * m * 163840 * 7168 / (0.8 * tf * 1e6))
+           for m in (1, 16, 64, 256, 1024, 4096)]
+    cls = fit_family("dense_gemm", pts, bw, tf).classes[("lm_head", 1)]
+    assert 1e-3 / cls.fit.us_per_byte == pytest.approx(bw)
+    h200, h100 = inv.specs["h200-sxm"], inv.specs["h100-sxm"]
+    slower = Carry(Side.of(h200, bw, tf), Side.of(h100, 0.7 * bw, tf)).fit(cls.fit)
+    at_one = pts[0].bytes, pts[0].flops
+    assert slower.us(*at_one) == pytest.approx(cls.fit.us(*at_one) / 0.7, rel=0.03)

@@ -15,7 +15,11 @@ its coverage is the share of points inside, its width the median half-width.
   smaller ones alone;
 - tp: the TP-N kernel shards from the full shapes, and the TP-N rank step from the step model
   calibrated on the TP-1 rows (with the measured shard-shape kernels);
-- cross-host: every measured host from every other one, and outside figures where they match.
+- cross-host: every measured host from every other one, and outside figures where they match, per kernel
+  family and regime; a target's point that ran other code than the reference's (its `impl`) is a row of
+  kind "kernel changed", never carrier error, and when the attention kernel changed the e2e steps are
+  judged less their attention term too. Where the target's comm was modelled, not measured, its
+  tokens/s are compared at that same comm.
 
 A backtest without the data it needs is a row with `skipped` saying why. Nothing is calibrated
 on the points it is judged on.
@@ -54,7 +58,7 @@ HOLD_OUT = {COLUMNS.M: 256, COLUMNS.context: 65536, COLUMNS.budget: 1024}
 
 @dataclass(frozen=True)
 class BacktestRow:
-    kind: str               # composition | depth | size | tp | cross-host
+    kind: str               # composition | depth | size | tp | cross-host | kernel changed
     reference: str
     target: str
     family: str             # "kernel/impl", or an e2e quantity such as "e2e step"
@@ -289,29 +293,57 @@ def cross_host(data: Sequence[Dataset], outside: Sequence[Dataset] = ()) -> list
     return out
 
 
-def compare(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bool = False) -> list[BacktestRow]:
-    """Projection error per kernel family and for e2e tokens/s, on the points both sides have.
+CHANGED = "kernel changed"   # the backtest kind of a target's points that ran other code than the reference's
 
-    `relax_impl` matches an outside kernel (another implementation) with kdbench's at the same shape."""
+
+def compare(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bool = False) -> list[BacktestRow]:
+    """Projection error per kernel family and regime (on the target, as projected) and for e2e tokens/s,
+    on the points both sides have.
+
+    `relax_impl` matches an outside kernel (another implementation) with kdbench's at the same shape.
+    Otherwise a target's point whose implementation differs from the reference's at the same shape ran other
+    code: its rows are of kind CHANGED, never carrier error (no band rests on them); and when the attention
+    kernel changed, the e2e steps are judged without their attention term as well."""
     out = []
     at = POINT_KEY.index("impl")
-    drop = lambda k: k[:at] + k[at + 1:] if relax_impl else k  # noqa: E731
-    got: dict[tuple, KernelRow] = {}
-    for p in preferred(rows_of(proj, "kernels")) if relax_impl else rows_of(proj, "kernels"):
-        got.setdefault(drop(point_key(p)), p)
-    fams: dict[str, list[Pair]] = {}
-    regs: dict[str, str] = {}
+    drop = lambda k: k[:at] + k[at + 1:]  # noqa: E731
+    exact = {} if relax_impl else {point_key(p): p for p in rows_of(proj, "kernels")}
+    loose: dict[tuple, KernelRow] = {}   # the engine's own kernel at each shape
+    for p in preferred(rows_of(proj, "kernels")):
+        loose.setdefault(drop(point_key(p)), p)
+    fams: dict[tuple[str, str, str], list[Pair]] = {}
+    changed: set[str] = set()
     for m in rows_of(tgt.tables, "kernels"):
-        p = got.get(drop(point_key(m)))
-        if p:
-            name = f"{label(p)} vs {m.impl}" if relax_impl and p.impl != m.impl else label(m)
-            fams.setdefault(name, []).append((m.time_us_p50, p.time_us_p50, point_key(m)))
-            regs[name] = p.regime or "-"
+        p = exact.get(point_key(m)) or (loose.get(drop(point_key(m))) if relax_impl or m.impl != "torch" else None)
+        if p is None:
+            continue
+        if p.impl == m.impl:
+            kind, name = "cross-host", label(m)
+        elif relax_impl:
+            kind, name = "cross-host", f"{label(p)} vs {m.impl}"
+        else:
+            kind, name = CHANGED, f"{label(m)} vs {p.impl}"
+            changed.add(m.kernel)
+        fams.setdefault((kind, name, p.regime or "-"), []).append((m.time_us_p50, p.time_us_p50, point_key(m)))
     detail = "outside figures of another implementation: the gap is kdbench's kernel against theirs, " \
              "not only projection error" if relax_impl else "projected from the reference's own run"
-    out += [summarise("cross-host", ref.name, tgt.name, f, regs[f], v, detail) for f, v in sorted(fams.items())]
+    moved = ("kernel changed since the reference: the target ran {}, the reference {} at these shapes; "
+             "the gap is the code's as much as the carrier's, so no band rests on it")
+    for (kind, f, reg), v in sorted(fams.items()):
+        what = moved.format(*f.split("/", 1)[1].split(" vs ")) if kind == CHANGED else detail
+        out.append(summarise(kind, ref.name, tgt.name, f, reg, v, what))
     pairs = _e2e_pairs(ref, tgt, machine, proj, relax_impl)
     what = "config, layers, tp, concurrency" + ("" if relax_impl else ", budget, acceptance")
+    if "mla_tree_attention" in changed:
+        out.append(summarise(CHANGED, ref.name, tgt.name, "e2e tokens/s", "e2e", pairs,
+                             "the attention kernel changed since the reference (kernel rows above): each step's "
+                             "attention term ran other code, so its error is not the carrier's alone"))
+        less = _e2e_less_attention(tgt, proj)
+        out.append(summarise("cross-host", ref.name, tgt.name, "e2e step less attention", "e2e", less,
+                             "each e2e step's time less its attention term, measured against projected: the "
+                             "terms the two runs ran the same code for (MoE, dense, lm-head, tree, other, host)"
+                             if less else "no e2e row of the target has the per-family split"))
+        return out
     out.append(summarise("cross-host", ref.name, tgt.name, "e2e tokens/s", "e2e", pairs,
                          (f"{detail}; each outside row against the step model at its configuration (the "
                           "reference's budget and shortest prompts, the median over its measured acceptances: the source states none)" if relax_impl else detail)
@@ -319,20 +351,28 @@ def compare(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bo
     return out
 
 
-def _with_comm_of(p: E2ERow, m: E2ERow) -> float:
-    """The projected tokens/s with the measured row's all-reduce when that row modelled it (one rank of a
-    TP-N deployment timed on one GPU, its comm_ms from the engine's alpha-beta model): the carrier is
-    judged on the step it projects, not on the comm model of a machine the row did not run on."""
-    if m.comm_source != CommSource.MODELLED or p.step_ms_p50 is None:
+def _at_comm_of(p: E2ERow, m: E2ERow) -> float:
+    """The projected tokens/s with the measured row's comm term where that term was not measured (one
+    rank on one GPU, its all-reduces modelled by the bench): a model judged against a model says nothing
+    of the carrier."""
+    if m.comm_source == CommSource.MEASURED or not p.step_ms_p50:
         return p.tokens_per_s
     return p.tokens_per_s * (p.step_ms_p50 + (p.comm_ms or 0.0)) / (p.step_ms_p50 + (m.comm_ms or 0.0))
+
+
+def _e2e_less_attention(tgt: Dataset, proj: dict) -> list[Pair]:
+    """(measured, projected, group) step time less the attention term, of the target's rows with the split."""
+    got = {e2e_key(e): e for e in rows_of(proj, "e2e")}
+    return [(m.step_ms_p50 - m.attention_ms, p.step_ms_p50 - p.attention_ms, e2e_key(m))
+            for m in rows_of(tgt.tables, "e2e") if m.step_ms_p50 and m.attention_ms is not None
+            for p in [got.get(e2e_key(m))] if p and p.attention_ms is not None]
 
 
 def _e2e_pairs(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl: bool) -> list[Pair]:
     """(measured, projected, group) tokens/s of the target's e2e rows."""
     if not relax_impl:
         got = {e2e_key(e): e for e in rows_of(proj, "e2e")}
-        return [(m.tokens_per_s, _with_comm_of(p, m), e2e_key(m)) for m in rows_of(tgt.tables, "e2e")
+        return [(m.tokens_per_s, _at_comm_of(p, m), e2e_key(m)) for m in rows_of(tgt.tables, "e2e")
                 if m.tokens_per_s for p in [got.get(e2e_key(m))] if p]
     # an outside serving figure states no tree budget, acceptance or prompt length: the step model
     # answers it at the reference's budget and shortest prompts, at each acceptance the reference

@@ -15,6 +15,9 @@ fewer than MIN_POINTS held-out points has no band: the figure's band is unknown 
 carry lacks evidence, never a narrow band. Kernel-level carries (a family's size) act on the step
 through that family's share of it.
 
+Cross-host evidence is the carries from the projection's own reference (the carry the other way is the
+same points mirrored, not more evidence), and a rate's held-out ratios (tokens/s) count inverted, as time.
+
 Evidence is split by stratum where an answer can lie beyond what its calibration measured in a way the
 other answers do not (a composed step whose in-step terms leave the tokens its TP degree's rows
 measured: flows.analysis.stepmodel.Step.stratum): such an answer's errors are of another kind, so the
@@ -32,10 +35,13 @@ from typing import Any, Mapping, Sequence
 
 MIN_POINTS = 5
 COVERAGE = 0.90
-# carry -> (backtest kind, family prefix) of the evidence it rests on
-EVIDENCE = {"composition": ("composition", "e2e step"), "tp": ("tp", "e2e TP-"),
-            "size:moe": ("size", "moe_w4a16/"), "size:attention": ("size", "mla_tree_attention/"),
-            "cross-host": ("cross-host", "e2e tokens/s")}
+# carry -> (backtest kind, family prefixes) of the evidence it rests on
+EVIDENCE = {"composition": ("composition", ("e2e step",)), "tp": ("tp", ("e2e TP-",)),
+            "size:moe": ("size", ("moe_w4a16/",)), "size:attention": ("size", ("mla_tree_attention/",)),
+            "cross-host": ("cross-host", ("e2e tokens/s", "e2e step less attention"))}
+# Families whose held-out ratios are of a rate (measured / predicted tokens/s): a band is on the predicted
+# time, so their evidence counts inverted (a projection too fast reads as a measured time above 1).
+RATES = ("e2e tokens/s",)
 
 
 @dataclass(frozen=True)
@@ -120,14 +126,17 @@ def _interval(xs: Sequence[float], df: int, coverage: float, centred: bool = Fal
 
 
 def evidence_of(rows: Sequence[object], carry: str, stratum: str = "", others: bool = False) -> Evidence:
-    """The held-out ratios (and their groups) of a carry in one stratum (`others`: in every other one),
-    pooled over the stored backtest rows it rests on."""
-    kind, prefix = EVIDENCE[carry]
+    """The held-out ratios of time (and their groups) of a carry in one stratum (`others`: in every other
+    one), pooled over the stored backtest rows it rests on."""
+    kind, prefixes = EVIDENCE[carry]
     ratios: list[float] = []
     groups: list[str] = []
     for r in rows:
-        if getattr(r, "kind") == kind and str(getattr(r, "family")).startswith(prefix):
+        family = str(getattr(r, "family"))
+        if getattr(r, "kind") == kind and family.startswith(prefixes):
             got = tuple(getattr(r, "ratios", ()) or ())
+            if family.startswith(RATES):
+                got = tuple(1 / x for x in got)
             names = getattr(r, "groups", ()) or range(len(got))
             strata = getattr(r, "strata", ()) or ("",) * len(got)
             keep = [(x, g) for x, g, s in zip(got, names, strata) if (s == stratum) != others]
@@ -167,6 +176,12 @@ def jackknife(ratios: Sequence[float], groups: Sequence[object],
         strays = tuple(r for r, _, same in keep if not same), tuple(g for _, g, same in keep if not same)
         out.append(edges([r for r, _, same in keep if same], [g for _, g, same in keep if same], strays=strays))
     return out
+
+
+def from_reference(evidence: Sequence[object], reference: str) -> list[object]:
+    """The evidence a projection from `reference` rests on: its cross-host rows are the carries from that
+    reference only (a carry the other way is the same points mirrored, not more evidence)."""
+    return [e for e in evidence if getattr(e, "kind") != "cross-host" or getattr(e, "reference") == reference]
 
 
 def step_band(step: Any, evidence: Sequence[object], spread: float) -> Band:

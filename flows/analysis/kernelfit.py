@@ -2,8 +2,11 @@
 
 A family's points at one shape class (a TP degree's shard shapes; for dense GEMMs also the op) are
 fitted by `latency + bytes / bandwidth + flops / compute` (non-negative least squares in relative
-error): a fixed launch chain, the weight stream, the math. The MoE's compute rate is one for all its
-shape classes (the same W4A16 inner loop), so the full shapes' large-M points inform the shards'.
+error): a fixed launch chain, the weight stream, the math. A class whose bytes barely vary (a dense
+GEMM's weights at every M) cannot tell the first from the second; where its fit drops the byte term while
+it has memory-bound points, its bytes move at the copy bandwidth, so the stream carries with the
+bandwidth. The MoE's compute rate is one for all its shape classes (the same W4A16 inner loop), so the
+full shapes' large-M points inform the shards'.
 A query's time is that fit at the query's bytes and flops times the measured/fit ratio interpolated
 between the measured shapes (flows.analysis.interp): a measured shape comes back as measured, a shape between
 two lies on the family's own curve, and one outside the sweep follows the fit (the ratio held at the
@@ -25,7 +28,7 @@ from engine.config import ModelConfig
 from engine.costs import build_tree_cost, expected_experts, mla_cost, moe_cost, tree_accept_cost
 from engine.rows import AcceptShape, KernelRow, MlaShape, MoeShape, Shape, TreeShape
 from flows.analysis.carrier import Side, memory_gbps
-from flows.analysis.families import SHAPES, host_side, preferred, shape_of, tp_of
+from flows.analysis.families import MEMORY, SHAPES, bound, host_side, preferred, shape_of, tp_of
 from flows.analysis.interp import Estimate, interpolate
 
 SHARED_COMPUTE = {"moe_w4a16"}
@@ -150,6 +153,10 @@ def fit_family(name: str, rows: Sequence[KernelRow], gbps: float, tflops: float)
     keys = sorted(groups, key=repr)
     fits = {} if name in KEPT else _fit(keys, groups, shared)
     default = Fit(0.0, 1 / (gbps * 1e3), 1 / (tflops * 1e6))
+    for k, f in fits.items():
+        if not f.us_per_byte and any(bound(p.bytes / (gbps * 1e3), p.flops / (tflops * 1e6)) == MEMORY
+                                     for p in groups[k]):
+            fits[k] = _at_copy(groups[k], default.us_per_byte)
     classes = {}
     for k in keys:
         fit = None if name in KEPT else fits.get(k) or default
@@ -157,6 +164,19 @@ def fit_family(name: str, rows: Sequence[KernelRow], gbps: float, tflops: float)
                          p.time_us_p50 / (fit.us(p.bytes, p.flops) if fit else 1.0)) for p in groups[k])
         classes[k] = ShapeClass(fit, samples, k[-1], groups[k][0].dtype)
     return FamilyModel(name, classes)
+
+
+def _at_copy(rows: Sequence[KernelRow], us_per_byte: float) -> Fit:
+    """A class whose bytes barely vary (a dense GEMM's weights at every M) gives least squares no way to
+    tell a fixed cost from the weight stream, and it may put the stream in the latency, which no carrier
+    scales. Where such a class has memory-bound points, its bytes move at the measured copy bandwidth and
+    the latency and compute terms are fitted on the rest of each point's time."""
+    t = np.array([p.time_us_p50 for p in rows])
+    a = np.array([[1.0, p.flops] for p in rows])
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
+    rest = t - us_per_byte * np.array([p.bytes for p in rows])
+    x = _nnls(a / t[:, None] / scale, rest / t) / scale
+    return Fit(float(x[0]), us_per_byte, float(x[1]))
 
 
 def _fit(keys: list[Key], groups: dict[Key, list[KernelRow]], shared: bool) -> dict[Key, Fit]:

@@ -30,7 +30,7 @@ from engine.table_files import to_table
 from flows.analysis.assumptions import (Assumption, BandEvidence, Comm, E2eNotMeasured, E2eWithoutSplit, Kept,
                                         KernelModels, ReferenceCeilings, SkippedPoint, StepModel, TargetCeilings,
                                         TensorParallel, TpCarry, parse, record)
-from flows.analysis.bands import MIN_POINTS, Band, combine, step_band
+from flows.analysis.bands import MIN_POINTS, Band, combine, from_reference, step_band
 from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError,
                                      Tables, allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
 from flows.analysis.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, bound, e2e_key,
@@ -144,17 +144,16 @@ def measured_band(row: KernelRow) -> Band:
 
 def project_kernels(rows: list[KernelRow], model: Model, evidence: Sequence[Any], run_id: str,
                     ref_run_id: str) -> list[KernelRow]:
-    """Every measured point on the target: by its family's kernel model where kdbench has one (its band
-    from the cross-host evidence of that family; the p10-p90 spread on the reference's own machine),
-    else by `project_point`."""
+    """Every measured point on the target: by its family's kernel model where kdbench has one and the point
+    is of the implementation the model was fitted on (its band from the cross-host evidence of that family
+    in the point's regime on the target; the p10-p90 spread on the reference's own machine), else (a
+    baseline such as the torch reference) by `project_point`."""
     effs = family_effs(rows, model.ref_c)
-    # a family's model describes the implementations it was fitted on (the engine's own); a baseline of
-    # another (torch's) carries its own points, never the engine kernel's speed
-    fitted = {(r.kernel, r.impl) for name in model.fams for r in preferred([k for k in rows if k.kernel == name])}
+    modelled = {point_key(p) for k in {r.kernel for r in rows} for p in preferred([r for r in rows if r.kernel == k])}
     out = []
     for r in rows:
-        fam = model.fams.get(r.kernel) if (r.kernel, r.impl) in fitted else None
-        got = None if fam is None or host_side(r) else fam.time_us(
+        fam = model.fams.get(r.kernel)
+        got = None if fam is None or host_side(r) or point_key(r) not in modelled else fam.time_us(
             class_key(r), shape_of(r), r.bytes, r.flops,
             model.carry)
         if got is None:
@@ -162,17 +161,18 @@ def project_kernels(rows: list[KernelRow], model: Model, evidence: Sequence[Any]
                               effs.get((r.kernel, r.impl, r.dtype)))
         else:
             t = got[0].value
+            reg = regime(replace(r, time_us_p50=t), *model.tgt_c.of(r.dtype))
             if model.cross_host:
-                rows_ = [e for e in evidence if e.kind == "cross-host" and e.family.startswith(label(r))]
+                rows_ = [e for e in evidence if e.kind == "cross-host" and e.family.startswith(label(r))
+                         and e.regime == reg]
                 ratios = tuple(x for e in rows_ for x in e.ratios)
-                band = combine({f"cross-host {label(r)}": ((ratios, tuple(map(str, range(len(ratios))))), 1.0)},
+                band = combine({f"cross-host {label(r)} {reg}": ((ratios, tuple(map(str, range(len(ratios))))), 1.0)},
                                _spread(r))
             else:
                 band = measured_band(r)
             p = dict(time_us_p50=t, time_us_low=t * band.low if band.known else None,
                      time_us_high=t * band.high if band.known else None,
-                     regime=regime(replace(r, time_us_p50=t), *model.tgt_c.of(r.dtype)) if not host_side(r) else HOST,
-                     reference_regime=regime(r, *model.ref_c.of(r.dtype)))
+                     regime=reg, reference_regime=regime(r, *model.ref_c.of(r.dtype)))
         q = replace(r, **p, run_id=run_id, source="projected", reference_run_id=ref_run_id,
                     device="cpu" if model.target.spec.arch == "cpu" else "cuda", time_us_p10=None, time_us_p90=None)
         out.append(replace(q, achieved_gbps=r.bytes / (q.time_us_p50 * 1e3),
@@ -274,6 +274,7 @@ def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str, evidence:
         raise ProjectionError(f"reference from {ref.name} has no runs table")
     ref_run_id = tables["runs"].column(COLUMNS.run_id)[0].as_py()
     model = build(tables, ref, target)
+    evidence = from_reference(evidence, ref.name)
     kern = [r for r in rows_of(tables, "kernels") if r.source == "measured"]
     kproj = project_kernels(kern, model, evidence, run_id, ref_run_id)
     comm = comm_model(rows_of(tables, "comm"), ref, target)

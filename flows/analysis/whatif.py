@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from engine.rows import COLUMNS, E2ERow, Provenance, RunRow
 from engine.schema import CommSource, PointStatus, RunStatus
 from engine.table_files import to_table
-from flows.analysis.bands import Band, step_band
+from flows.analysis.bands import Band, from_reference, step_band
 from flows.analysis.ceilings import Machine, ProjectionError, Tables, rows_of
 from flows.analysis.families import tp_of
 from flows.analysis.reference import Dataset, load_reference, machine_of, measured_datasets
@@ -66,6 +66,7 @@ def answers(model: Model, queries: Sequence[tuple[Query, float | None]], evidenc
             spread: float) -> list[Answer]:
     """Each (query, its acceptance level) answered with its band."""
     out = []
+    evidence = from_reference(evidence, model.ref.name)
     for q, level in queries:
         s = answer(model, q)
         out.append(Answer(s, step_band(s, evidence, spread), level))

@@ -81,7 +81,8 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
 
     composition: each e2e step from the step model calibrated on the other configurations; depth: the
     full-depth step from shallower runs; size: held-out sizes from smaller ones; tp: a TP-N rank from
-    TP-1; cross-host: each measured host from every other (and imported outside figures).
+    TP-1; cross-host: each measured host from every other (and imported outside figures); kernel changed:
+    a target's points that ran other code than the reference's, reported apart (no band rests on them).
 
     Error = predicted / measured - 1, median and worst over the points; "in band" is the share of
     points inside a band built from the other points' held-out errors (the evidence every projected

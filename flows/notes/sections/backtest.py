@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from flows.analysis.backtest import BacktestRow, goal_gap
+from flows.analysis.backtest import CHANGED, BacktestRow, goal_gap
 from flows.inventory.scrub import md
 
 
@@ -24,6 +24,8 @@ def backtest_cells(rows: Sequence[BacktestRow]) -> list[list[str]]:
         med_gap, band_gap = goal_gap(r)
         if r.skipped:
             goal = f"skipped: {r.detail}"
+        elif r.kind == CHANGED:
+            goal = "none: the target ran other code than the reference, so the error is not the carrier's"
         else:
             bits = []
             if med_gap is not None:

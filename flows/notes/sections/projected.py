@@ -77,7 +77,9 @@ def assumption_text(a: Assumption) -> str:
     if isinstance(a, BandEvidence):
         n = len(a.references)
         return (f"band: from the held-out errors of the carries each figure uses (the backtests: composition, tp, "
-                f"size, cross-host) and the measurement spread; unknown where a carry has fewer than "
+                f"size, cross-host: the carries from this page's reference to the other measured hosts and to "
+                f"outside figures, a kernel family's in the point's regime) and the measurement spread; unknown "
+                f"where a carry has fewer than "
                 f"{a.min_points} held-out points" + (f"; widened to the spread across {n} references"
                                                      if n > 1 else ""))
     # map_strings escaped the record's string values above; its keys and other values are escaped here
@@ -88,7 +90,8 @@ def projection_view(view: HostView) -> ProjectionView:
     p = view.projection
     gpu = f" ({p.ref_spec.gpu})" if p.ref_spec else ""
     fams = {label(k) for k in p.run.rows("kernels")}
-    cited = [r for r in view.backtest if r.family.split(" vs ")[0] in fams or r.regime == "e2e"]
+    cited = [r for r in view.backtest if (r.family.split(" vs ")[0] in fams or r.regime == "e2e")
+             and (r.kind != "cross-host" or r.reference == p.ref_host)]   # the carries its bands rest on
     return ProjectionView(f"Reference: host {md(p.ref_host)}, run {md(p.ref_run_id)}{gpu}; references used for the "
                           f"band: {', '.join(md(r) for r in p.references)}.",
                           tuple(assumption_text(a) for a in p.assumptions),
