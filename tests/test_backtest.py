@@ -13,8 +13,9 @@ from typer.testing import CliRunner
 
 from engine.rows import KernelRow
 from flows import REPO
-from flows.analysis.backtest import (GOAL_IN_BAND, BacktestRow, composition, depth, goal_gap, refresh, size,
-                                     stored_backtest, tensor_parallel, trend)
+from flows.analysis.backtest import (GOAL_IN_BAND, BacktestRow, composition, depth, goal_gap, size, tensor_parallel,
+                                     trend)
+from flows.analysis.backtest_store import refresh, stored_backtest
 from flows.analysis.reference import load_reference
 from flows.cli.app import app
 from flows.inventory.hosts import Inventory
@@ -155,7 +156,7 @@ def test_an_outside_serving_figure_meets_the_median_acceptance_at_the_shortest_p
 def test_the_stored_backtest_is_the_same_bytes_every_time(store: Store, inv: Inventory) -> None:
     """Evidence groups name the point (its key), never an object's address, so re-running the
     backtests on the same store stores the same JSON (no churn in artifacts/backtest/)."""
-    from flows.analysis.backtest import backtests_of
+    from flows.analysis.backtest_store import backtests_of
 
     first = backtests_of(store, inv)  # kept alive: a second run cannot reuse its rows' addresses
     second = backtests_of(store, inv)

@@ -14,7 +14,7 @@ from engine.config import K2
 from engine.costs import expected_experts, int4_expert_bytes
 from engine.table_files import provenance, read_table
 from flows import REPO
-from flows.analysis.backtest import refresh
+from flows.analysis.backtest_store import refresh
 from flows.analysis.importer import ImportFileError, import_file
 from flows.analysis.projection import assumptions, project
 from flows.analysis.reference import load_reference, machine_of, measured_datasets

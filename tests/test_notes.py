@@ -13,7 +13,7 @@ import pytest
 
 from engine.table_files import provenance, read_table, to_table, write_table
 from flows import REPO
-from flows.analysis.backtest import refresh
+from flows.analysis.backtest_store import refresh
 from flows.analysis.reference import project_host
 from flows.inventory.files import load_inventory, update_host
 from flows.inventory.hosts import Inventory

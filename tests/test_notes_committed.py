@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from flows import REPO
-from flows.analysis.backtest import refresh
+from flows.analysis.backtest_store import refresh
 from flows.inventory.files import load_inventory
 from flows.notes.publish import render_notes
 from flows.store.store import Store

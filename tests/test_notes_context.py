@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.rows import E2ERow
-from flows.analysis.backtest import refresh
+from flows.analysis.backtest_store import refresh
 from flows.inventory.hosts import Inventory
 from flows.notes.publish import render_notes
 from flows.notes.sections.context import crossover

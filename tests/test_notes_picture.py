@@ -135,7 +135,7 @@ def test_the_moe_section_shows_full_and_tp8_shard_shapes_in_two_tables(tmp_path:
     assert "expert intermediate 2048 (gate_up N = 4096, down K = 2048)" in moe
     assert "No TP-8 shard-shape points" not in moe
     # the projected page keeps them apart as well (the projection carries the shard points)
-    from flows.analysis.backtest import refresh
+    from flows.analysis.backtest_store import refresh
     refresh(store, inv, "h200")
     b300 = (_render(store, inv, tmp_path / "docs") / "b300.md").read_text()
     pfull, pshard = _shard_rows(b300)
@@ -162,7 +162,7 @@ def test_tokens_per_s_against_accepted_length_at_full_depth(tmp_path: Path, inv:
     _accept_sweep(ref)
     store = Store(str(tmp_path / "art"))
     store.ingest("h200", "h200-model-1", ref)
-    from flows.analysis.backtest import refresh
+    from flows.analysis.backtest_store import refresh
     refresh(store, inv, "h200")           # what `kdbench notes` stores first (the what-if grid among it)
     notes = _render(store, inv, tmp_path / "docs")
     page = (notes / "h200.md").read_text()

@@ -12,7 +12,8 @@ import pytest
 from engine.rows import table_rows
 from engine.table_files import read_table, to_table
 from flows import REPO
-from flows.analysis.backtest import cross_host, depth, refresh, tensor_parallel
+from flows.analysis.backtest import cross_host, depth, tensor_parallel
+from flows.analysis.backtest_store import refresh
 from flows.analysis.projection import ALLREDUCES_PER_LAYER, Machine, allreduce_us, assumptions, project
 from flows.analysis.reference import is_outside, load_reference, machine_of
 from flows.analysis.stepmodel import answer, build, query_of

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from support import stepmodel as synth
 from engine.table_checks import validate
 from flows import REPO
-from flows.analysis.backtest import refresh
+from flows.analysis.backtest_store import refresh
 from flows.analysis.whatif import GRID_CONCURRENCY, GRID_CONTEXT, SUITE, stored_whatif
 from flows.cli.app import app
 from flows.inventory.hosts import Inventory

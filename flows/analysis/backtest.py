@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Iterable, Sequence, cast
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 from engine.rows import COLUMNS, E2ERow, KernelRow
 from engine.schema import CommSource
@@ -38,20 +38,15 @@ from flows.analysis.bands import jackknife
 from flows.analysis.families import (POINT_KEY, SHAPES, SIZE_AXIS, e2e_key, host_side, label, point_key, preferred,
                                      regime, shape_of, tp_of)
 from flows.analysis.kernelfit import class_key, fit_family
-from flows.analysis.projection import ProjectionError, breakdown, measured_ceilings, project, rows_of
-from flows.analysis.reference import Dataset, is_outside, measured_datasets, project_host, unmeasured_hosts
+from flows.analysis.projection import breakdown, measured_ceilings, project, rows_of
+from flows.analysis.reference import Dataset, is_outside
 from flows.analysis.stepmodel import FAMILIES, COLUMN, answer, build, calibration_rows, config_of, query_of
-from flows.analysis.whatif import store_grids
-from flows.inventory.hosts import Inventory
-from flows.store.layout import StoreError
-from flows.store.store import Store
 
 GOAL_MEDIAN = {"memory": 0.10, "e2e": 0.20}   # median |error| goals by regime (none set for the others)
 # issue 25's goals for a kind of carry: (kind, family prefix, regime) -> median |error|
 GOAL_KIND = {("composition", "e2e step", "e2e"): 0.05, ("tp", "e2e", "e2e"): 0.10,
              ("cross-host", "", "memory"): 0.20}
 GOAL_IN_BAND = 0.90
-STORED = "backtest/backtest.json"
 # the size backtest: held-out sizes (axis value >= cut) predicted from the smaller ones
 HOLD_OUT = {COLUMNS.M: 256, COLUMNS.context: 65536, COLUMNS.budget: 1024}
 
@@ -400,39 +395,3 @@ def backtest(data: Sequence[Dataset], outside: Sequence[Dataset] = ()) -> list[B
     for d in data:
         rows += composition(d) + depth(d) + size(d) + tensor_parallel(d)
     return rows + cross_host(data, outside)
-
-
-def backtests_of(store: Store, inv: Inventory) -> list[BacktestRow]:
-    """Every backtest over the store's measured data (none when there is none)."""
-    own = measured_datasets(store, inv)
-    if not own:
-        return []
-    return backtest(own, [d for d in measured_datasets(store, inv, outside=True) if is_outside(d.tables)])
-
-
-def store_backtest(store: Store, rows: Iterable[BacktestRow]) -> None:
-    store.put_json(STORED, [asdict(r) for r in rows])
-
-
-def stored_backtest(store: Store) -> list[BacktestRow]:
-    """The backtest rows `kdbench backtest` (or the flow) stored last; empty when never run."""
-    return [BacktestRow(**{**r, "ratios": tuple(r.get("ratios", ())), "groups": tuple(r.get("groups", ())),
-                           "strata": tuple(r.get("strata", ()))})
-            for r in cast("list[dict[str, Any]]", store.get_json(STORED) or [])]
-
-
-def refresh(store: Store, inv: Inventory, reference: str) -> dict[str, str]:
-    """Store what the notes read and never compute: the backtests, then (with their evidence for the
-    bands) a projection from `reference` of every inventory host without a measured run and every
-    host's what-if grid. Returns the hosts that could not be projected, and why."""
-    rows = backtests_of(store, inv)
-    store_backtest(store, rows)
-    failed = {}
-    for host in unmeasured_hosts(store, inv):
-        try:
-            project_host(store, inv, host, reference, evidence=rows)
-        except (ProjectionError, StoreError) as e:
-            failed[host] = str(e)
-    if rows:
-        store_grids(store, inv, reference, rows)
-    return failed

@@ -52,7 +52,7 @@ def notes(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = HostsDir
 
     The same inputs always give the same bytes, so a commit only happens when a figure changed.
     """
-    from flows.analysis.backtest import refresh
+    from flows.analysis.backtest_store import refresh
     from flows.inventory.files import default_hosts_dir, load_inventory
     from flows.notes.gather import gather
     from flows.notes.publish import commit_notes, render_notes
@@ -91,7 +91,8 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
     """
     from dataclasses import asdict
 
-    from flows.analysis.backtest import PER_POINT, backtests_of, store_backtest
+    from flows.analysis.backtest import PER_POINT
+    from flows.analysis.backtest_store import backtests_of, store_backtest
     from flows.inventory.files import default_hosts_dir, load_inventory
     from flows.notes.sections.backtest import BACKTEST_COLUMNS, backtest_cells
     from flows.store.store import Store

@@ -81,7 +81,7 @@ def project_cmd(host: str = typer.Argument(..., help="Inventory host to answer f
     were interpolated or extrapolated between measured shapes. Tokens/s = C x (accept + 1) /
     (step + comm): the steady state of a full batch.
     """
-    from flows.analysis.backtest import stored_backtest
+    from flows.analysis.backtest_store import stored_backtest
     from flows.analysis.ceilings import rows_of
     from flows.analysis.families import E2E_CONTEXT
     from flows.analysis.stepmodel import Query, calibration_rows, step_spread

@@ -13,7 +13,7 @@ import pyarrow as pa
 from engine.rows import COLUMNS, Provenance
 from engine.schema import SchemaError
 from flows.analysis.assumptions import map_strings, parse
-from flows.analysis.backtest import stored_backtest
+from flows.analysis.backtest_store import stored_backtest
 from flows.analysis.ceilings import rows_of
 from flows.analysis.reference import is_outside
 from flows.analysis.whatif import SUITE as WHATIF, stored_whatif

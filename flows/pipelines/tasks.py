@@ -24,7 +24,7 @@ from prefect.concurrency.sync import concurrency
 from prefect.tasks import exponential_backoff
 from pydantic import BaseModel
 
-from flows.analysis import backtest
+from flows.analysis import backtest_store
 from flows.analysis import reference as references
 from flows.analysis import whatif
 from flows.inventory.files import host_path, load_inventory
@@ -279,7 +279,7 @@ def project_task(store_root: str, hosts_dir: str, target: str, reference: str = 
     from the backtests the store holds."""
     store = Store(store_root)
     return references.project_host(store, load_inventory(Path(hosts_dir)), target, reference,
-                                   evidence=backtest.stored_backtest(store))
+                                   evidence=backtest_store.stored_backtest(store))
 
 
 @task(name="notes", cache_policy=NONE)
@@ -292,8 +292,8 @@ def write_notes(store: Store, settings: Settings, subject: str,
     log = get_run_logger()
     with held(NOTES_LIMIT):
         inv = load_inventory(settings.hosts_dir)
-        rows = backtest.backtests_of(store, inv)
-        backtest.store_backtest(store, rows)   # the notes read these, never compute them
+        rows = backtest_store.backtests_of(store, inv)
+        backtest_store.store_backtest(store, rows)   # the notes read these, never compute them
         if rows:
             whatif.store_grids(store, inv, settings.reference, rows)
         paths = render_notes(store, inv, settings.docs_dir)

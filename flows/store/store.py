@@ -7,7 +7,7 @@ Layout under the root (a local path or any pyarrow filesystem URI such as s3://b
     quarantine/host=<host>/run=<run_id>/...           rejected files and why (flows.transport.pull)
     quarantine/_manifests/...                         manifests `reindex` set aside (unreadable, or naming files
                                                       that are not their run's own), each with a `.reason`
-    backtest/backtest.json                            the latest backtest results (flows.analysis.backtest)
+    backtest/backtest.json                            the latest backtest results (flows.analysis.backtest_store)
     reference/<name>/<table>.arrow                    committed reference datasets, as engine.bench wrote them
 
 So one line reads one table across every run: `pyarrow.dataset.dataset("<root>/kernels", partitioning="hive")`,
