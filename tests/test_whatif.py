@@ -128,3 +128,24 @@ def test_a_projected_page_states_the_in_step_factors_its_reference_measured(mini
     assert ("in-step/suite factor from the rows' per-family split: attention 1.30, dense 1.05, lm_head 1.00, "
             "moe 1.12, tree 1.00") in page
     assert "By kernel family:" in page and "| point | moe | attention | dense | lm_head | tree | other kernels |" in page
+
+
+def test_a_grid_where_nothing_fits_says_so_once(tmp_path: Path, inv: Inventory) -> None:
+    """Tables of nothing but "does not fit" (a full TP-8 rank of K2 on an 80 GB GPU) read as one sentence
+    naming the smallest configuration and what it needs."""
+    import pyarrow as pa
+
+    from flows.notes.sections.whatif import whatif_view
+    model_run(tmp_path / "art" / "reference" / "h200")
+    store = Store(str(tmp_path / "art"))
+    refresh(store, inv, "h200")
+    grid = dict(stored_whatif(store, "h200"))
+    e2e = grid["e2e"]
+    n = e2e.num_rows
+    reason = "does not fit: needs 84 GB a GPU (weights 81 GB), the GPU has 80 GB"
+    e2e = e2e.set_column(e2e.schema.get_field_index("status"), "status", pa.array(["skipped"] * n))
+    grid["e2e"] = e2e.set_column(e2e.schema.get_field_index("skip_reason"), "skip_reason", pa.array([reason] * n))
+    view = whatif_view(grid)
+    assert view is not None and view.tables == ()
+    assert f"C = {GRID_CONCURRENCY[0]} at 1k context, {reason}" in view.intro and "weight sets" in view.intro
+    assert whatif_view(dict(stored_whatif(store, "h200"))).tables                # some fit: the tables stay

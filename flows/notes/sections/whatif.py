@@ -38,6 +38,8 @@ def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
     levels: dict[Any, list[tuple[E2ERow, Mapping[str, Any]]]] = {}
     for r, n in zip(rows, notes):
         levels.setdefault((r.synthetic_accept, r.accept_len_mean), []).append((r, n if isinstance(n, dict) else {}))
+    if all(r.status != "ok" for r in rows):
+        return _nothing_fits(rows, prov)
     out = []
     for (level, accept), cells in sorted(levels.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0, kv[0][1])):
         contexts = sorted({r.context for r, _ in cells})
@@ -60,3 +62,14 @@ def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
              "(accepted + 1) / (step + comm), the steady state of a full batch, with its band from the backtests' "
              "held-out errors, and the step's largest term.")
     return WhatIfView(intro, tuple(out), tuple(lines))
+
+
+def _nothing_fits(rows: list[E2ERow], prov: Provenance) -> WhatIfView:
+    """One sentence instead of tables of "does not fit": the smallest configuration and what it needs."""
+    least = min(rows, key=lambda r: (r.concurrency, r.context))
+    return WhatIfView(
+        f"No configuration of the grid fits this host's memory at TP-{least.tp}: the smallest, C = "
+        f"{least.concurrency} at {_context(least.context)} context, {md(least.skip_reason or 'does not fit')}. "
+        f"Its measured rows fit because the bench holds fewer distinct MoE weight sets than the model has "
+        f"layers (engine.model's `weight_sets`); a served model holds one a layer. From "
+        f"{md(prov.reference_host or '?')} run {md(prov.reference_run_id or '?')}.", (), ())
