@@ -102,7 +102,7 @@ def test_every_page_shows_a_stored_what_if_grid(tmp_path: Path, inv: Inventory) 
         assert "of the step" in sect                     # each cell names its largest term
     h200 = (notes / "h200.md").read_text()
     # 64 sequences of 128k tokens: a 590 GB latent cache on one rank of an H200
-    assert "does not fit: needs" in h200 and "the GPU has 141 GB" in h200
+    assert "does not fit: needs" in h200 and "the GPU has 141 GiB" in h200
     grid = stored_whatif(store, "h200")
     e2e = grid["e2e"].to_pylist()
     assert len(e2e) == len(GRID_CONCURRENCY) * len(GRID_CONTEXT) and {e["tp"] for e in e2e} == {8}
@@ -131,7 +131,7 @@ def test_a_projected_page_states_the_in_step_factors_its_reference_measured(mini
 
 
 def test_a_grid_where_nothing_fits_says_so_once(tmp_path: Path, inv: Inventory) -> None:
-    """Tables of nothing but "does not fit" (a full TP-8 rank of K2 on an 80 GB GPU) read as one sentence
+    """Tables of nothing but "does not fit" (a full TP-8 rank of K2 at long contexts on an 80 GiB GPU) read as one sentence
     naming the smallest configuration and what it needs."""
     import pyarrow as pa
 
@@ -142,7 +142,7 @@ def test_a_grid_where_nothing_fits_says_so_once(tmp_path: Path, inv: Inventory) 
     grid = dict(stored_whatif(store, "h200"))
     e2e = grid["e2e"]
     n = e2e.num_rows
-    reason = "does not fit: needs 84 GB a GPU (weights 81 GB), the GPU has 80 GB"
+    reason = "does not fit: needs 94 GiB a GPU (weights 75 GiB), the GPU has 80 GiB"
     e2e = e2e.set_column(e2e.schema.get_field_index("status"), "status", pa.array(["skipped"] * n))
     grid["e2e"] = e2e.set_column(e2e.schema.get_field_index("skip_reason"), "skip_reason", pa.array([reason] * n))
     view = whatif_view(grid)

@@ -1,8 +1,8 @@
 """The what-if section of a host page, from the grid flows.analysis.whatif stored (the notes never compute one).
 
 One table per measured acceptance level: a row per concurrency, a column per context; each cell gives
-tokens/s with its band and the step's largest term, or says that the configuration does not fit the
-GPU's memory and what it would need.
+tokens/s with its band and the step's largest term (and the spare memory when it fits tightly), or
+says that the configuration does not fit the GPU's memory and what it would need.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def _cell(row: E2ERow, note: Mapping[str, Any]) -> str:
         return md(row.skip_reason or "does not fit")
     band = (f" ({row.tokens_per_s_low:,.0f}-{row.tokens_per_s_high:,.0f})"
             if row.tokens_per_s_low is not None else " (band unknown)")
-    return f"{row.tokens_per_s:,.0f} tok/s{band}; {md(note.get('largest', ''))}"
+    tight = f"; {md(note['tight'])}" if note.get("tight") else ""
+    return f"{row.tokens_per_s:,.0f} tok/s{band}; {md(note.get('largest', ''))}{tight}"
 
 
 def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
