@@ -101,7 +101,7 @@ def test_every_page_shows_a_stored_what_if_grid(tmp_path: Path, inv: Inventory) 
         assert all(f"{s // 1024}k context" in sect for s in GRID_CONTEXT)
         assert "of the step" in sect                     # each cell names its largest term
     h200 = (notes / "h200.md").read_text()
-    # 64 sequences of 128k tokens: a 590 GB latent cache on one rank of an H200
+    # 64 sequences of 128k tokens: a 549 GiB latent cache on one rank of an H200
     assert "does not fit: needs" in h200 and "the GPU has 141 GiB" in h200
     grid = stored_whatif(store, "h200")
     e2e = grid["e2e"].to_pylist()

@@ -9,8 +9,8 @@
   float32 logits shard, the drafter's float32 logits over the full vocab, and a fixed reserve for the
   CUDA context, library workspaces and captured graphs.
 A configuration fits when the sum is within the spec sheet's memory, read as binary gigabytes: a GPU
-vendor's "80 GB" of device memory is 80 GiB (an H100 SXM's 80 GB is five 16 GiB HBM3 stacks, and torch
-reports 79.2 GiB of it to a process), 7 % more bytes than 80e9.
+vendor's "80 GB" of device memory is 80 GiB (an H100 SXM's 80 GB is five 16 GiB HBM3 stacks; nvidia-smi
+shows 81,559 MiB of them), 7 % more bytes than 80e9.
 """
 
 from __future__ import annotations

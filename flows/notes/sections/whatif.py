@@ -34,13 +34,13 @@ def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
     if not rows:
         return None
     prov = Provenance.of(tables["runs"])
+    if all(r.status != "ok" for r in rows):
+        return _nothing_fits(rows, prov)
     notes: list[Any] = list(prov.answers or [])
     notes += [{}] * (len(rows) - len(notes))
     levels: dict[Any, list[tuple[E2ERow, Mapping[str, Any]]]] = {}
     for r, n in zip(rows, notes):
         levels.setdefault((r.synthetic_accept, r.accept_len_mean), []).append((r, n if isinstance(n, dict) else {}))
-    if all(r.status != "ok" for r in rows):
-        return _nothing_fits(rows, prov)
     out = []
     for (level, accept), cells in sorted(levels.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0, kv[0][1])):
         contexts = sorted({r.context for r, _ in cells})
