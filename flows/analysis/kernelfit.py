@@ -11,7 +11,7 @@ A query's time is that fit at the query's bytes and flops times the measured/fit
 between the measured shapes (flows.analysis.interp): a measured shape comes back as measured, a shape between
 two lies on the family's own curve, and one outside the sweep follows the fit (the ratio held at the
 edge) and is labelled extrapolated. Carried to another machine (`Carry`), the latency stays, the
-bandwidth goes by Little's law (flows.analysis.carrier) and the compute rate by the ratio of the ceilings;
+bandwidth goes by the carrier (flows.analysis.carrier) and the compute rate by the ratio of the ceilings;
 the latency-bound tree kernels stay as measured.
 """
 
@@ -62,14 +62,16 @@ class ShapeClass:
 
 @dataclass(frozen=True)
 class Carry:
-    """The reference and target as the carrier sees them (ceilings of the family's dtype)."""
+    """The reference and target as the carrier sees them (ceilings of the family's dtype), and the carrier's
+    form (None: the shipped one)."""
 
     ref: Side
     tgt: Side
+    form: str | None = None
 
     def fit(self, f: Fit) -> Fit:
         gbps = 1e-3 / f.us_per_byte if f.us_per_byte else None
-        per_byte = 1e-3 / min(memory_gbps(gbps, self.ref, self.tgt), self.tgt.gbps) if gbps else 0.0
+        per_byte = 1e-3 / min(memory_gbps(gbps, self.ref, self.tgt, self.form), self.tgt.gbps) if gbps else 0.0
         return Fit(f.latency_us, per_byte, f.us_per_flop * self.ref.tflops / self.tgt.tflops)
 
 
