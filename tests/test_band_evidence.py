@@ -15,6 +15,7 @@ from flows.analysis.backtest import BacktestRow
 from flows.analysis.backtest_store import store_backtest
 from flows.analysis.bands import Band, holding, step_band
 from flows.analysis.carrier import HARMONIC, LITTLE, SHARE
+from flows.analysis.ceilings import peak_tflops
 from flows.analysis.families import label, point_key, preferred, shape_of
 from flows.analysis.kernelfit import class_key
 from flows.analysis.projection import Machine, assumptions, project
@@ -163,3 +164,15 @@ def test_a_page_says_when_its_target_is_faster_than_every_machine_its_bands_came
                      evidence=_own())
     assert band_caveat(assumptions(slower), "pro6000") is None
     assert band_caveat([], "b300") is None
+
+
+def test_no_band_edge_beats_the_target_s_spec_roofline(store: Store, inv: Inventory) -> None:
+    """Wide evidence (a carry that once missed by 60 %) would put a memory-bound point's fast edge past the
+    target's spec bandwidth: the edge stops at the spec roofline, which no kernel beats."""
+    ref = load_reference(store, inv, "h200")
+    spec = inv.specs["b300-sxm"]
+    t = project(ref.tables, ref.machine, Machine("b300", spec, 8, "nvlink"), evidence=_own(0.6))
+    floors = [(k.time_us_low, max(k.bytes / (spec.mem_bw_gbps * 1e3), k.flops / (peak_tflops(spec, k.dtype) * 1e6)))
+              for k in table_rows(t["kernels"], "kernels") if k.time_us_low is not None]
+    assert floors and all(low >= floor * (1 - 1e-9) for low, floor in floors)
+    assert any(low == pytest.approx(floor) for low, floor in floors)   # some edge did stop there

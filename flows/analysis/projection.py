@@ -148,8 +148,8 @@ def project_kernels(rows: list[KernelRow], model: Model, evidence: Sequence[Any]
                     ref_run_id: str) -> list[KernelRow]:
     """Every measured point on the target: by its family's kernel model where kdbench has one and the point
     is of the implementation the model was fitted on (its band from the cross-host evidence of that family
-    in the point's regime on the target, holding the other candidate carriers' times; the p10-p90 spread on
-    the reference's own machine), else (a
+    in the point's regime on the target, holding the other candidate carriers' times, never faster than the
+    target's spec roofline; the p10-p90 spread on the reference's own machine), else (a
     baseline such as the torch reference) by `project_point`."""
     effs = family_effs(rows, model.ref_c)
     modelled = {point_key(p) for k in {r.kernel for r in rows} for p in preferred([r for r in rows if r.kernel == k])}
@@ -176,7 +176,9 @@ def project_kernels(rows: list[KernelRow], model: Model, evidence: Sequence[Any]
                                       if alt])
             else:
                 band = measured_band(r)
-            p = dict(time_us_p50=t, time_us_low=t * band.low if band.known else None,
+            spec = model.target.spec   # no band edge beats the target's spec roofline
+            floor = min(t, max(_ideal_us(r, spec.mem_bw_gbps, peak_tflops(spec, r.dtype))))
+            p = dict(time_us_p50=t, time_us_low=max(t * band.low, floor) if band.known else None,
                      time_us_high=t * band.high if band.known else None,
                      regime=reg, reference_regime=regime(r, *model.ref_c.of(r.dtype)))
         q = replace(r, **p, run_id=run_id, source="projected", reference_run_id=ref_run_id,
