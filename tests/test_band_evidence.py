@@ -24,7 +24,7 @@ from flows.analysis.stepmodel import answer, build, calibration_rows, config_of,
 from flows.analysis.whatif import answers
 from flows.inventory.hosts import Inventory
 from flows.notes.gather import gather
-from flows.notes.sections.projected import band_caveat, projection_view
+from flows.notes.sections.projected import assumption_text, band_caveat, projection_view
 from flows.store.store import Store
 from support.runs import evidence, write_run
 
@@ -176,3 +176,12 @@ def test_no_band_edge_beats_the_target_s_spec_roofline(store: Store, inv: Invent
               for k in table_rows(t["kernels"], "kernels") if k.time_us_low is not None]
     assert floors and all(low >= floor * (1 - 1e-9) for low, floor in floors)
     assert any(low == pytest.approx(floor) for low, floor in floors)   # some edge did stop there
+
+
+def test_the_projection_names_its_carrier_and_the_others_its_bands_hold() -> None:
+    text = assumption_text(KernelModels(["moe_w4a16"], [132, 160], [None, None], HARMONIC, [LITTLE, SHARE]))
+    assert "by the harmonic carrier" in text and "from 132 SMs on the reference to 160" in text
+    assert text.endswith("each band also holds what Little's law (the in-flight rate, capped at the copy ceiling) "
+                         "and a fixed share of the copy ceiling give")
+    older = assumption_text(KernelModels(["moe_w4a16"], [132, 160]))   # a record stored before the form was
+    assert "by Little's law" in older and "also holds" not in older

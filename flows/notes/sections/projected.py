@@ -24,7 +24,7 @@ TP_HOW = {"same": "measured at that degree", "fit": "re-sharded by a fixed + sha
 
 
 # the memory-bound carrier's forms (flows.analysis.carrier), in words
-CARRIER = {HARMONIC: "the harmonic carrier (bytes / copy ceiling + bytes / in-flight rate)",
+CARRIER = {HARMONIC: "the harmonic carrier (a point's time is bytes / copy ceiling + bytes / in-flight rate)",
            LITTLE: "Little's law (the in-flight rate, capped at the copy ceiling)",
            SHARE: "a fixed share of the copy ceiling"}
 
@@ -52,17 +52,17 @@ def assumption_text(a: Assumption) -> str:
         return (f"target {a.host} on {a.gpu}: the same fractions of its spec sheet give "
                 f"{sig(a.copy_gbps)} GB/s and {sig(a.matmul_tflops)} TFLOP/s {a.dtype}")
     if isinstance(a, KernelModels):
-        carried = (f"the bandwidth term by {CARRIER.get(a.carrier, md(a.carrier) or 'Little')}, the rate bytes in "
-                   f"flight allow (bytes in flight per SM x SMs / latency) carried from {a.sms[0]} SMs on the "
-                   f"reference to {a.sms[1]}" if all(a.sms) else
+        carried = (f"the bandwidth term by {CARRIER.get(a.carrier, CARRIER[LITTLE])}, its in-flight rate (bytes in "
+                   f"flight per SM x SMs / latency) carried from {a.sms[0]} SMs on the reference to {a.sms[1]}"
+                   if all(a.sms) else
                    "the bandwidth term at the point's share of the copy ceiling (no SM count on a spec sheet)")
         latency = "" if all(a.latency_ns) else " (DRAM latency taken equal on both: not on both spec sheets)"
-        held = (f"; with no latency to settle the carrier's form, each band also holds what "
+        held = (f"; with no latency on both spec sheets to settle the carrier's form, each band also holds what "
                 f"{' and '.join(CARRIER.get(f, md(f)) for f in a.others)} give" if a.others else "")
         return (f"kernel families {', '.join(md(f) for f in a.families)}: each fitted on the reference's sweep as "
                 f"latency + bytes / bandwidth + flops / compute, times each measured point's own residual "
-                f"(interpolated between measured shapes); on the target the latency is kept, {carried}{latency}"
-                f"{held}, the compute term by the ratio of the matmul ceilings; tree kernels as measured")
+                f"(interpolated between measured shapes); on the target the latency is kept, {carried}{latency}, "
+                f"the compute term by the ratio of the matmul ceilings; tree kernels as measured{held}")
     if isinstance(a, Kept):
         return (f"kept as measured: a launch floor of up to {a.launch_floor_us:g} us per kernel, the host-side "
                 f"points ({', '.join(md(h) for h in a.host_side)}) and latency-bound points (under "
