@@ -11,9 +11,12 @@ work is FlashMLA's; with `--flashmla CSV` (shared/data/mla-flashmla-h200.csv) ea
 FlashMLA's time beside ours, outside data that is never fitted on; with `--baseline FILE` (an older
 kernels/mla_verify.py, e.g. `git show 4a06ed9:kernels/mla_verify.py`) that kernel is timed too.
 `--sweep` times tile configs and split counts at a few shapes (the table in kernels/mla_tree_attention.py
-comes from it). Writes DIR/mla_check.csv, DIR/mla_time.csv, ... (each row written as it is measured,
-added to what DIR holds) and prints the time table last; `--deadline-s` bounds the timing, and the
-points it could not reach are written as skipped.
+comes from it). `--plans` times the split planner's pick beside a sweep of split counts, each count the
+planner's own candidate for it, at v7's sweep shapes and every grid shape of under four waves of row
+tiles, and prints the pick's regret (its time over the best count's) per shape. Writes
+DIR/mla_check.csv, DIR/mla_time.csv, ... (each row written as it is measured, added to what DIR holds)
+and prints the time table last; `--deadline-s` bounds the timing, and the points it could not reach are
+written as skipped.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import csv
 import os
 import importlib.util
+import statistics
 import time
 from pathlib import Path
 from types import ModuleType
@@ -64,8 +68,14 @@ NAMED = {"triton": C("triton", 64, 64, 8, 2), "gluon": C("gluon", 64, 64, 8, 1),
 SWEEP_SHAPES = [(8, 8, 256, 16384), (64, 8, 64, 16384), (8, 16, 16, 32768), (8, 1, 16, 65536)]
 DECODE_SHAPES = [(8, 1, 0, 16384), (8, 16, 0, 32768), (64, 16, 0, 32768)]  # budget 0: T = 1, plain decode
 SPLIT_SHAPES = [(8, 1, 16, 4096), (8, 1, 16, 65536), (8, 8, 16, 16384), (64, 1, 16, 16384), (8, 16, 16, 4096)]
+# --plans: v7's split-sweep shapes (kernels/NOTES.md section 2), then the grid's shapes of under PLAN_WAVES waves
+PLAN_SHAPES = [(64, 8, 16, 4096), (8, 16, 64, 4096), (8, 16, 16, 4096), (64, 16, 16, 16384), (8, 8, 64, 16384),
+               (8, 12, 16, 12288), (64, 4, 32, 8192), (8, 8, 32, 24576), (64, 12, 16, 8192)]
+PLAN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 11, 16, 24, 32, 48, 64)
+PLAN_WAVES = 4  # grid shapes of this many waves of row tiles or more are left out: one split at each
 
 Row = dict[str, Any]
+PlanPoint = tuple[tuple[int, int, int, int], int, list[tuple[int, int]], tuple[int, int]]
 
 
 class Out:
@@ -217,6 +227,55 @@ def sweep(out: Out) -> None:
     torch.cuda.empty_cache()
 
 
+def plan_points(cap: tuple[int, int] | None, sms: int) -> list[PlanPoint]:
+    """(shape, row tiles, plans, the shipped pick) per --plans shape: plans are (splits, key blocks a
+    split), the planner's candidate at each PLAN_COUNTS count and its own pick, each once."""
+    points = []
+    for heads, batch, budget, context in PLAN_SHAPES + [g for g in GRID if g not in PLAN_SHAPES]:
+        t, s = budget + 1, context + budget + 1
+        cfg = mla_tree_attention.pick_config(cap, t * heads, DTYPE)
+        tiles, costs = batch * -(-t * heads // cfg.bm), mla_tree_attention.PLAN_COSTS[cfg.kernel]
+        if tiles >= PLAN_WAVES * sms:
+            continue
+        n, chunk = mla_tree_attention.plan_splits(tiles, s, cfg.bn, sms, costs)
+        pick = (n, chunk // cfg.bn)
+        plans = {mla_tree_attention.split_plan(-(-s // cfg.bn), c, costs.unit) for c in PLAN_COUNTS} | {pick}
+        points.append(((heads, batch, budget, context), tiles, sorted(plans), pick))
+    return points
+
+
+def time_plans(out: Out) -> None:
+    """Each plan_points plan, forced by its split count, on the same inputs per shape (the all-True mask)."""
+    cap = mla_tree_attention.capability(DEVICE)
+    for shape, tiles, plans, pick in plan_points(cap, mla_tree_attention.sm_count(DEVICE)):
+        heads, batch, budget, context = shape
+        kernel = mla_tree_attention.pick_config(cap, (budget + 1) * heads, DTYPE).kernel
+        args = inputs(heads, batch, budget + 1, [context] * batch, "all")
+        for n, per in plans:
+            timed(out, "mla_plans", kernel, lambda n=n: mla_tree_attention.mla_tree_attention(*args, SCALE, splits=n),
+                  shape, reps=20, splits=n, per_blocks=per, tiles=tiles, planned=(n, per) == pick)
+        del args
+    torch.cuda.empty_cache()
+
+
+def plan_regret(out: Out) -> None:
+    """Per --plans shape: the shipped pick's time over the best plan's; then the median and the worst."""
+    shapes: dict[tuple[str, ...], list[Row]] = {}
+    for r in out.rows.get("mla_plans", []):
+        if r.get("status") == "ok":
+            shapes.setdefault(tuple(str(r[k]) for k in ("heads", "batch", "budget", "context")), []).append(r)
+    regrets = []
+    for shape, rows in shapes.items():
+        best = min(rows, key=lambda r: float(r["us_p50"]))
+        pick = [r for r in rows if str(r["planned"]) == "True"]
+        if pick:
+            regrets.append(float(pick[0]["us_p50"]) / float(best["us_p50"]))
+            print(f"plans {' '.join(shape):>18}: pick {pick[0]['splits']} x {pick[0]['per_blocks']} {float(pick[0]['us_p50']):9.1f} us, "
+                  f"best {best['splits']} x {best['per_blocks']} {float(best['us_p50']):9.1f} us, regret {regrets[-1]:.3f}")
+    if regrets:
+        print(f"plans: regret median {statistics.median(regrets):.3f}, worst {max(regrets):.3f} over {len(regrets)} shapes")
+
+
 def load_baseline(path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location("mla_baseline", path)
     if spec is None or spec.loader is None:
@@ -248,7 +307,7 @@ def summary(out: Out) -> None:
         print(f"{f'{h} {b} {n} {c}':>34} {out.flashmla.get((h, b, n, c), float('nan')):>11.1f} " + " ".join(f"{x:>28}" for x in cells))
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="folder for mla_check.csv, mla_time.csv, ...")
     ap.add_argument("--flashmla", type=Path, help="FlashMLA's figures (shared/data/mla-flashmla-h200.csv)")
@@ -257,10 +316,16 @@ def main() -> None:
                     "triton, gluon, gluon_ws (each at its main config), baseline (--baseline's kernel); none: no grid")
     ap.add_argument("--check", default="auto", help="comma list of configs to check: auto, triton, gluon, gluon_ws; none")
     ap.add_argument("--sweep", action="store_true", help="also time tile configs and split counts")
+    ap.add_argument("--plans", action="store_true", help="also time the split planner's pick beside a sweep of "
+                    "split counts (mla_plans.csv) and print the pick's regret per shape")
     ap.add_argument("--deadline-s", type=float, default=480, help="stop timing when this runs out")
     ap.add_argument("--once", metavar="KERNEL:H,B,N,C", help="only run one named kernel twice at heads H, batch "
                     "B, budget N, context C (for a profiler: profile its second launch) and exit")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = parser().parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("engine.bench_mla needs a CUDA GPU")
     if a.once:
@@ -281,7 +346,10 @@ def main() -> None:
         time_grid(out, a.kernels.split(","), load_baseline(a.baseline) if a.baseline else None)
     if a.sweep:
         sweep(out)
+    if a.plans:
+        time_plans(out)
     summary(out)
+    plan_regret(out)
 
 
 if __name__ == "__main__":

@@ -219,6 +219,15 @@ def key_args(cfg: Config, ckv: Tensor, kpe: Tensor) -> tuple[Any, Any]:
                  for x in (ckv, kpe))
 
 
+def split_plan(blocks: int, want: int, unit: int) -> tuple[int, int]:
+    """(splits, key blocks a split) for `want` splits of `blocks` blocks, each a whole number of the
+    kernel's units: the planner's candidate for that count, and what a forced count runs, so that a
+    sweep of counts times the plans the planner chooses between. Fewer splits where rounding up
+    covers the cache sooner."""
+    per = triton.cdiv(triton.cdiv(blocks, want), unit) * unit
+    return triton.cdiv(blocks, per), per
+
+
 def plan_splits(tiles: int, s: int, bn: int, sms: int, costs: PlanCosts = _V5_COSTS) -> tuple[int, int]:
     """(splits, keys per split) for `tiles` row tiles over an `s`-key cache, from host-known sizes.
 
@@ -229,8 +238,7 @@ def plan_splits(tiles: int, s: int, bn: int, sms: int, costs: PlanCosts = _V5_CO
     blocks = triton.cdiv(s, bn)
     best = (float("inf"), 1, blocks)
     for want in range(1, min(blocks, MAX_SPLITS) + 1):  # a split must save SPLIT_GAIN over one pass
-        per = triton.cdiv(triton.cdiv(blocks, want), costs.unit) * costs.unit
-        n = triton.cdiv(blocks, per)
+        n, per = split_plan(blocks, want, costs.unit)
         if n != want:
             continue
         split = n > 1
@@ -246,7 +254,8 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
                        config: Config | None = None, splits: int | None = None) -> Tensor:
     """MLA tree verify (or, with causal=True, a chunk of prompt tokens over the prefix and causally
     among themselves; tree_mask is then ignored and may be None). `config` and `splits` override
-    the table and the planner for the tuning sweep."""
+    the table and the planner for the tuning sweep; a forced count runs the planner's candidate for
+    it (`split_plan`: whole units of the kernel)."""
     bt, t, hh, dl = q_nope.shape
     dr = q_rope.shape[-1]
     s = ckv.shape[1]
@@ -261,8 +270,8 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
     if splits is None:
         n_splits, chunk = plan_splits(bt * tiles, s, cfg.bn, sm_count(q_nope.device), PLAN_COSTS[cfg.kernel])
     else:
-        chunk = triton.cdiv(triton.cdiv(s, splits), cfg.bn) * cfg.bn
-        n_splits = triton.cdiv(s, chunk)
+        n_splits, per = split_plan(triton.cdiv(s, cfg.bn), splits, PLAN_COSTS[cfg.kernel].unit)
+        chunk = per * cfg.bn
     qn, qr = q_nope.contiguous(), q_rope.contiguous()
     ckv, kpe = ckv.contiguous(), kpe.contiguous()
     mask = ctx_lens if causal else tree_mask.to(torch.int8).contiguous()  # causal: never read

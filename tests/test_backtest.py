@@ -15,7 +15,7 @@ from engine.rows import KernelRow
 from flows import REPO
 from flows.analysis.backtest import (GOAL_IN_BAND, BacktestRow, composition, depth, goal_gap, size, tensor_parallel,
                                      trend)
-from flows.analysis.backtest_store import refresh, stored_backtest
+from flows.analysis.backtest_store import backtests_of, refresh, stored_backtest
 from flows.analysis.reference import load_reference
 from flows.cli.app import app
 from flows.inventory.hosts import Inventory
@@ -172,3 +172,17 @@ def test_a_modelled_comm_is_judged_at_the_measured_rows_own() -> None:
     proj = E2ERow(step_ms_p50=10.0, comm_ms=0.0, tokens_per_s=120.0)
     assert _at_comm_of(proj, E2ERow(comm_source="modelled", comm_ms=2.0)) == pytest.approx(100.0)
     assert _at_comm_of(proj, E2ERow(comm_source="measured", comm_ms=2.0)) == 120.0
+
+
+def test_the_cli_table_prints_cells_as_written(store: Store, inv: Inventory) -> None:
+    """A terminal table is not markdown: `h200 -> h100` prints as is, with no markdown escapes, and a
+    cell's text is never read as rich markup."""
+    from flows.cli.emit import Format, emit
+    rows = backtests_of(store, inv)
+    pair = next(r for r in rows if r.reference != r.target)
+    res = CliRunner().invoke(app, ["backtest", "--artifacts", store.base, "--hosts", str(REPO / "hosts")],
+                             env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    assert f"{pair.reference} -> {pair.target}" in res.output and "\\" not in res.output
+    text = emit([{"a": "[red]x[/red]"}], Format.table, cells=[["[red]x[/red]"]], header=["a"])
+    assert "[red]x[/red]" in text

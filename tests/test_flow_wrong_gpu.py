@@ -21,7 +21,7 @@ def test_a_gpu_of_another_model_is_named_and_listed_with_the_mismatches(inv_dir:
     host = update_host(inv_dir, "pro6000", spec="h200-sxm", gpus=1, arch="sm_90")
     wrong = _wrong_gpu(host, FACTS, load_specs(inv_dir)["h200-sxm"].gpu)
     assert wrong == "gpu: spec says H200, host has NVIDIA H100 80GB HBM3"
-    assert _mismatches(host, FACTS, "H200") == [wrong]
+    assert _mismatches(host, FACTS, wrong) == [wrong]
     assert _wrong_gpu(host, FACTS, load_specs(inv_dir)["h100-sxm"].gpu) is None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -216,6 +217,40 @@ def test_mla_split_plan_for_gluon_ws_takes_whole_pairs() -> None:
         assert chunk % 128 == 0 and (n - 1) * chunk < s <= n * chunk, (tiles, s, n, chunk)
     assert plan_splits(136, 4113, 64, 132) == (3, 22 * 64)
     assert plan_splits(136, 4113, 64, 132, ws) == (1, 66 * 64)
+
+
+@inner
+def test_mla_forced_splits_run_the_planners_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forced split count runs the plan the planner weighs for that count, in whole units of the
+    kernel (a sweep of counts times the planner's own choices): with a two-block unit, 3 splits of
+    7 key blocks are 2 of 4, not 3 of 3 (an odd chunk, for which gluon_ws pays a masked block); with
+    one-block units the chunk is what it always was; the output is still the reference's."""
+    import triton
+
+    from kernels import mla_tree_attention, reference
+    from kernels.mla_tree_attention import Config, PlanCosts, split_plan
+
+    assert split_plan(65, 2, 2) == (2, 34) and split_plan(65, 2, 1) == (2, 33) and split_plan(7, 3, 2) == (2, 4)
+    for s, n in ((4113, 2), (4113, 7), (16401, 64), (100, 3), (64, 1)):
+        assert split_plan(triton.cdiv(s, 64), n, 1)[1] * 64 == triton.cdiv(triton.cdiv(s, n), 64) * 64
+    monkeypatch.setitem(mla_tree_attention.PLAN_COSTS, "triton", PlanCosts(2, 2.0, 1.0, 2.0, 0.0))
+    combine, seen = mla_tree_attention._mla_combine, []
+
+    class Spy:  # records the split count each combine launch merges
+        def __getitem__(self, grid: tuple) -> Any:
+            def launch(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, n: int, **kw: Any) -> None:
+                seen.append(n)
+                combine[grid](part, lse, out, n, **kw)
+            return launch
+
+    monkeypatch.setattr(mla_tree_attention, "_mla_combine", Spy())
+    bt, t, hh, s = 2, 5, 2, 7 * 16
+    args = _mla_inputs(bt, t, hh, s, 11)
+    ctx = torch.tensor([s - t, 50])
+    mask = _tree_masks(bt, t, 3)
+    out = _run_mla(args, ctx, mask, config=Config("triton", 16, 16, 4, 2), splits=3)
+    assert seen == [2]
+    assert _rel(out, reference.mla_tree_attention(*args, ctx, mask, 0.2)) < 1e-2
 
 def _draft(bt: int, length: int, k: int, seed: int, ties: bool) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)

@@ -6,7 +6,7 @@ import json
 
 from flows import REPO
 from flows.inventory.files import load_host
-from flows.transport.probe import _mismatches, _parse_facts
+from flows.transport.probe import _mismatches, _parse_facts, _wrong_gpu
 
 
 def test_facts_parsing_is_defensive() -> None:
@@ -17,7 +17,7 @@ def test_facts_parsing_is_defensive() -> None:
     assert (f["gpu_count"], f["arch_found"], f["driver"], f["triton"], f["disk_free_gb"]) == (
         2, "sm_90", "570.86.15", None, None)
     pro = load_host(REPO / "hosts", "pro6000")
-    found = _mismatches(pro, f, "RTX PRO 6000 Blackwell Server Edition")
+    found = _mismatches(pro, f, _wrong_gpu(pro, f, "RTX PRO 6000 Blackwell Server Edition"))
     assert any("sm_120" in m and "sm_90" in m for m in found)
     assert any(m.startswith("gpus:") for m in found) and any("NVIDIA H200" in m for m in found)
     assert _parse_facts("KDBENCH_FACTS [1, 2]")["arch_found"] == "cpu"

@@ -124,6 +124,12 @@ def test_tokens_per_s_and_the_memory_check_by_hand(ref, inv: Inventory) -> None:
     assert memory(K2, Query(8, 16, 16, 8192, 4.0), h200).fits
     big = memory(K2, Query(8, 64, 16, 131072, 4.0), h200)
     assert not big.fits and big.why_not().startswith("does not fit: needs") and "cache" in big.why_not()
+    assert big.why_not().endswith("the GPU has 141 GiB")
+    # the spec's "80 GB" is 80 GiB (85.9e9 bytes): one TP-8 rank at C = 1 fits, with little to spare
+    one = memory(K2, Query(8, 1, 16, 1024, 4.0), inv.specs["h100-sxm"])
+    assert one.capacity == 80 * 2**30 and 80e9 < one.need < one.capacity and one.fits
+    assert one.tight().startswith("tight: ") and one.tight().endswith(" GiB to spare")
+    assert memory(K2, Query(8, 1, 16, 1024, 4.0), h200).tight() == "" and big.tight() == ""
 
 
 def test_the_kernel_model_extrapolates_along_its_roofline(ref) -> None:

@@ -101,8 +101,8 @@ def test_every_page_shows_a_stored_what_if_grid(tmp_path: Path, inv: Inventory) 
         assert all(f"{s // 1024}k context" in sect for s in GRID_CONTEXT)
         assert "of the step" in sect                     # each cell names its largest term
     h200 = (notes / "h200.md").read_text()
-    # 64 sequences of 128k tokens: a 590 GB latent cache on one rank of an H200
-    assert "does not fit: needs" in h200 and "the GPU has 141 GB" in h200
+    # 64 sequences of 128k tokens: a 549 GiB latent cache on one rank of an H200
+    assert "does not fit: needs" in h200 and "the GPU has 141 GiB" in h200
     grid = stored_whatif(store, "h200")
     e2e = grid["e2e"].to_pylist()
     assert len(e2e) == len(GRID_CONCURRENCY) * len(GRID_CONTEXT) and {e["tp"] for e in e2e} == {8}
@@ -128,3 +128,24 @@ def test_a_projected_page_states_the_in_step_factors_its_reference_measured(mini
     assert ("in-step/suite factor from the rows' per-family split: attention 1.30, dense 1.05, lm_head 1.00, "
             "moe 1.12, tree 1.00") in page
     assert "By kernel family:" in page and "| point | moe | attention | dense | lm_head | tree | other kernels |" in page
+
+
+def test_a_grid_where_nothing_fits_says_so_once(tmp_path: Path, inv: Inventory) -> None:
+    """Tables of nothing but "does not fit" (a full TP-8 rank of K2 at long contexts on an 80 GiB GPU) read as one sentence
+    naming the smallest configuration and what it needs."""
+    import pyarrow as pa
+
+    from flows.notes.sections.whatif import whatif_view
+    model_run(tmp_path / "art" / "reference" / "h200")
+    store = Store(str(tmp_path / "art"))
+    refresh(store, inv, "h200")
+    grid = dict(stored_whatif(store, "h200"))
+    e2e = grid["e2e"]
+    n = e2e.num_rows
+    reason = "does not fit: needs 94 GiB a GPU (weights 75 GiB), the GPU has 80 GiB"
+    e2e = e2e.set_column(e2e.schema.get_field_index("status"), "status", pa.array(["skipped"] * n))
+    grid["e2e"] = e2e.set_column(e2e.schema.get_field_index("skip_reason"), "skip_reason", pa.array([reason] * n))
+    view = whatif_view(grid)
+    assert view is not None and view.tables == ()
+    assert f"C = {GRID_CONCURRENCY[0]} at 1k context, {reason}" in view.intro and "weight sets" in view.intro
+    assert whatif_view(dict(stored_whatif(store, "h200"))).tables                # some fit: the tables stay

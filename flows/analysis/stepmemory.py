@@ -8,7 +8,9 @@
 - the working set of one step: activations and MoE intermediates of C (B + 1) tokens, the target's
   float32 logits shard, the drafter's float32 logits over the full vocab, and a fixed reserve for the
   CUDA context, library workspaces and captured graphs.
-A configuration fits when the sum is within the spec sheet's memory.
+A configuration fits when the sum is within the spec sheet's memory, read as binary gigabytes: a GPU
+vendor's "80 GB" of device memory is 80 GiB (an H100 SXM's 80 GB is five 16 GiB HBM3 stacks; nvidia-smi
+shows 81,559 MiB of them), 7 % more bytes than 80e9.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 from engine.config import ModelConfig
 from engine.costs import BF16, dense_op_rows, dense_ops, int4_expert_bytes
 
+GIB = 2**30
+TIGHT = 0.05                 # a fit with less than this share of the GPU spare is within the model's own error
 RESERVE_BYTES = 2e9          # CUDA context, cuBLAS workspaces, graph pools: a round figure, not measured
 ACTIVATION_COPIES = 8        # hidden-sized bf16 buffers live at once in a layer (residual, norms, projections)
 
@@ -26,7 +30,7 @@ ACTIVATION_COPIES = 8        # hidden-sized bf16 buffers live at once in a layer
 @dataclass(frozen=True)
 class Memory:
     parts: dict[str, float]       # weights, cache, working (bytes)
-    capacity: float               # the spec sheet's device memory (bytes)
+    capacity: float               # the spec sheet's device memory (bytes: its binary gigabytes)
 
     @property
     def need(self) -> float:
@@ -36,13 +40,18 @@ class Memory:
     def fits(self) -> bool:
         return self.need <= self.capacity
 
+    def tight(self) -> str:
+        """'' unless it fits with under TIGHT of the GPU to spare; then how much is spare, in GiB."""
+        spare = self.capacity - self.need
+        return f"tight: {spare / GIB:.1f} GiB to spare" if 0 <= spare < TIGHT * self.capacity else ""
+
     def why_not(self) -> str:
-        """'' when it fits; else what it needs against what there is, in GB."""
+        """'' when it fits; else what it needs against what there is, in GiB (the unit of the spec's figure)."""
         if self.fits:
             return ""
         big = max(self.parts, key=lambda k: self.parts[k])
-        return (f"does not fit: needs {self.need / 1e9:,.0f} GB a GPU ({big} {self.parts[big] / 1e9:,.0f} GB), "
-                f"the GPU has {self.capacity / 1e9:,.0f} GB")
+        return (f"does not fit: needs {self.need / GIB:,.0f} GiB a GPU ({big} {self.parts[big] / GIB:,.0f} GiB), "
+                f"the GPU has {self.capacity / GIB:,.0f} GiB")
 
 
 def weight_bytes(cfg: ModelConfig, tp: int, layers: int) -> float:
@@ -71,4 +80,4 @@ def memory(cfg: ModelConfig, q: Any, spec: Any) -> Memory:
     layers = q.layers or cfg.layers
     return Memory({"weights": weight_bytes(cfg, q.tp, layers),
                    "cache": cache_bytes(cfg, q.concurrency, q.context, q.budget, layers),
-                   "working": working_bytes(cfg, q.tp, q.concurrency, q.budget)}, spec.memory_gb * 1e9)
+                   "working": working_bytes(cfg, q.tp, q.concurrency, q.budget)}, spec.memory_gb * GIB)

@@ -99,7 +99,7 @@ def answer_row(a: Answer) -> dict[str, Any]:
             "step_ms": s.step_ms, COLUMNS.comm_ms: s.ms["comm"],
             **{f"{t}_share": s.share(t) for t in TERMS}, "largest": a.largest_text(),
             "interpolated": "; ".join(s.interpolated), "extrapolated": "; ".join(s.extrapolated),
-            "carries": ", ".join(s.carries), "why_not": s.memory.why_not()}
+            "carries": ", ".join(s.carries), "why_not": s.memory.why_not(), "tight": s.memory.tight()}
 
 
 def whatif_run_id(host: str, ref_run_id: str, queries: Sequence[tuple[Query, float | None]]) -> str:
@@ -130,7 +130,8 @@ def as_tables(host: str, model: Model, items: Sequence[Answer], run_id: str, wha
                            source="projected", reference_run_id=model.ref_run_id))
         notes.append({"largest": a.largest_text(), "largest_term": s.largest, "share": s.share(s.largest),
                       "interpolated": list(s.interpolated), "extrapolated": list(s.extrapolated),
-                      "carries": list(s.carries), "band_unknown": list(a.band.unknown), "notes": list(s.notes)})
+                      "carries": list(s.carries), "band_unknown": list(a.band.unknown), "notes": list(s.notes),
+                      "tight": s.memory.tight()})
     prov = Provenance(run_id=run_id, host=host, gpu_name=spec.gpu, gpu_count=model.target.gpus, arch=spec.arch,
                       device="cpu" if spec.arch == "cpu" else "cuda", reference_run_id=model.ref_run_id,
                       reference_host=model.ref.name, what=what, answers=notes)

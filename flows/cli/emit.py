@@ -74,11 +74,12 @@ def emit(rows: Sequence[Mapping[str, Any]], fmt: Format, title: str = "",
     header = list(header or (rows[0].keys() if rows else []))
     cells = cells if cells is not None else [["-" if r.get(k) is None else str(r.get(k)) for k in header] for r in rows]
     from rich.table import Table
+    from rich.text import Text
     table = Table(title=title or None)
     for col in header:
         table.add_column(col, justify="right" if col in right else "left", overflow="fold")
     for c in cells:
-        table.add_row(*c)
+        table.add_row(*(Text(x) for x in c))   # cells are text, never rich markup
     out = console()
     with out.capture() as cap:
         out.print(table)

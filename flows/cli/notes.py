@@ -94,6 +94,7 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
     from flows.analysis.backtest import PER_POINT
     from flows.analysis.backtest_store import backtests_of, store_backtest
     from flows.inventory.files import default_hosts_dir, load_inventory
+    from flows.inventory.scrub import plain
     from flows.notes.sections.backtest import BACKTEST_COLUMNS, backtest_cells
     from flows.store.store import Store
 
@@ -106,7 +107,7 @@ def backtest_cmd(artifacts: Optional[str] = Artifacts, hosts: Optional[Path] = H
         store_backtest(store, rows)
     except _expected() as e:
         raise _fail(str(e)) from None
-    cells = backtest_cells(rows)
+    cells = backtest_cells(rows, plain)
     for r, c in zip(rows, cells):
         if r.skipped:
             c[-1] = "skipped"

@@ -46,7 +46,7 @@ def _cells(r: dict) -> list[str]:
     low, high = r[C.tokens_per_s_low], r[C.tokens_per_s_high]
     band = f"{low:,.0f}-{high:,.0f}" if low is not None else r["band"]
     shares = " ".join(f"{t} {100 * r[f'{t}_share']:.0f}%" for t in SHARE_COLUMNS if r[f"{t}_share"] >= 0.005)
-    fits = "yes" if r["fits"] else r["why_not"]
+    fits = (r["tight"] or "yes") if r["fits"] else r["why_not"]
     return [str(r[C.tp]), str(r[C.concurrency]), f"{r[C.context]:,}", str(r[C.budget]), f"{r['accept']:.2f}",
             f"{r[C.tokens_per_s]:,.0f}", band, f"{r['step_ms']:.2f}", f"{r[C.comm_ms]:.2f}", shares, r["largest"],
             fits, r["interpolated"] or "-", r["extrapolated"] or "-"]

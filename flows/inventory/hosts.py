@@ -50,7 +50,7 @@ class Spec(BaseModel):
     name: str
     gpu: str
     arch: Arch
-    memory_gb: float = Field(gt=0)
+    memory_gb: float = Field(gt=0)      # device memory as the vendor prints it: binary GB (GiB)
     mem_bw_gbps: float = Field(gt=0)
     tflops: dict[str, float]
     sms: int | None = None

@@ -255,15 +255,15 @@ def bench(host: str, suites: list[str] | None = None, profile: str | None = None
                                detail="address is a placeholder: not contacted")
         else:
             res = probe_with_retries(h, s)
+            if res.outcome == ProbeOutcome.OK:
+                update_host(s.hosts_dir, host, unreachable_runs=0, last_seen=now())
             if res.outcome == ProbeOutcome.OK and res.wrong_gpu:
                 # measured figures would be filed, and projected, under a machine the host is not
-                update_host(s.hosts_dir, host, unreachable_runs=0, last_seen=now())
-                log.error("%s not measured: %s; fix `spec` in its YAML (or the host)", host, host_text(h, res.wrong_gpu))
+                wrong = host_text(h, res.wrong_gpu)
+                log.error("%s not measured: %s; fix `spec` in its YAML (or the host)", host, line(wrong))
                 report = RunReport(host=host, route=Route.WRONG_GPU, outcome=RunOutcome.UNMEASURED,
-                                   detail=f"not measured: {host_text(h, res.wrong_gpu)}; fix `spec` in hosts/{host}.yaml "
-                                          "or the host")
+                                   detail=f"not measured: {wrong}; fix `spec` in hosts/{host}.yaml or the host")
             elif res.outcome == ProbeOutcome.OK:
-                update_host(s.hosts_dir, host, unreachable_runs=0, last_seen=now())
                 report = RunReport(host=host, route=Route.MEASURED, outcome=RunOutcome.MEASURED)
                 try:
                     _measure(s, store, h, suites, profile, bench_timeout_s or s.bench_timeout_s, report)

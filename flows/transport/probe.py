@@ -106,15 +106,14 @@ def _wrong_gpu(host: Host, facts: dict[str, Any], gpu_model: str | None) -> str 
     return None
 
 
-def _mismatches(host: Host, facts: dict[str, Any], gpu_model: str | None) -> list[str]:
+def _mismatches(host: Host, facts: dict[str, Any], wrong_gpu: str | None) -> list[str]:
     out = []
     if facts["arch_found"] != host.arch:
         out.append(f"arch: inventory says {host.arch}, host has {facts['arch_found']}")
     if facts["gpu_count"] != host.gpus:
         out.append(f"gpus: inventory says {host.gpus}, host has {facts['gpu_count']}")
-    wrong = _wrong_gpu(host, facts, gpu_model)
-    if wrong:
-        out.append(wrong)
+    if wrong_gpu:
+        out.append(wrong_gpu)
     if facts["python"] is None:
         out.append(f"python: {host.python!r} did not run on the host")
     elif facts["torch"] is None:
@@ -152,7 +151,7 @@ def probe(host: Host, hosts_dir: Path, timeouts: Timeouts = Timeouts()) -> Probe
     facts = _parse_facts(res.stdout)
     spec = load_specs(Path(hosts_dir)).get(host.spec)
     model = spec.gpu if spec and host.arch != "cpu" else None
-    mismatches = _mismatches(host, facts, model)
+    wrong_gpu = _wrong_gpu(host, facts, model)
+    mismatches = _mismatches(host, facts, wrong_gpu)
     detail = "connected" + (f"; {len(mismatches)} mismatch(es) with the inventory" if mismatches else "")
-    return result(ProbeOutcome.OK, detail, presented, facts=facts, mismatches=mismatches,
-                  wrong_gpu=_wrong_gpu(host, facts, model))
+    return result(ProbeOutcome.OK, detail, presented, facts=facts, mismatches=mismatches, wrong_gpu=wrong_gpu)

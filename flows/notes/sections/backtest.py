@@ -3,7 +3,7 @@ carry held up on held-out data, and how far each misses its goal."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from flows.analysis.backtest import CHANGED, BacktestRow, goal_gap
 from flows.inventory.scrub import md
@@ -17,8 +17,9 @@ BACKTEST_COLUMNS = ("backtest", "data", "family", "regime", "points", "median er
                     "worst error", "in band", "half-width", "goal")
 
 
-def backtest_cells(rows: Sequence[BacktestRow]) -> list[list[str]]:
-    """One row of BACKTEST_COLUMNS per backtest row; the goal column says how far each misses, or `met`."""
+def backtest_cells(rows: Sequence[BacktestRow], cell: Callable[..., str] = md) -> list[list[str]]:
+    """One row of BACKTEST_COLUMNS per backtest row; the goal column says how far each misses, or `met`.
+    Text cells go through `cell`: markdown-escaped for a page, `scrub.plain` for a terminal."""
     out = []
     for r in rows:
         med_gap, band_gap = goal_gap(r)
@@ -37,7 +38,7 @@ def backtest_cells(rows: Sequence[BacktestRow]) -> list[list[str]]:
             goal = ", ".join(bits)
         data = r.reference if r.reference == r.target else f"{r.reference} -> {r.target}"
         in_band = "-" if r.in_band is None else f"{r.in_band:.0%}" + (f" ({r.unknown} unknown)" if r.unknown else "")
-        out.append([md(r.kind), md(data), md(r.family), md(r.regime), str(r.points), _pct(r.median_error),
+        out.append([cell(r.kind), cell(data), cell(r.family), cell(r.regime), str(r.points), _pct(r.median_error),
                     "-" if r.median_abs_error is None else f"{r.median_abs_error:.1%}", _pct(r.worst_error), in_band, "-" if r.half_width is None else f"{r.half_width:.1%}",
-                    md(goal, cap=400)])
+                    cell(goal, cap=400)])
     return out

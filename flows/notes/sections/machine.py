@@ -47,7 +47,7 @@ def environment(view: HostView) -> Table:
     blank = ("",) * max(len(shown) - 1, 0)
     rows: list[tuple[str, ...]] = []
     if spec:
-        rows += [("GPU", f"{spec.gpu} ({spec.arch})", *blank), ("memory", f"{spec.memory_gb:g} GB", *blank),
+        rows += [("GPU", f"{spec.gpu} ({spec.arch})", *blank), ("memory", f"{spec.memory_gb:g} GiB", *blank),
                  ("spec bandwidth", f"{spec.mem_bw_gbps:,.0f} GB/s", *blank),
                  ("spec bf16 dense", f"{sig(spec.tflops.get('bf16'))} TFLOP/s", *blank)]
     if host:

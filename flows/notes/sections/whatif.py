@@ -1,8 +1,8 @@
 """The what-if section of a host page, from the grid flows.analysis.whatif stored (the notes never compute one).
 
 One table per measured acceptance level: a row per concurrency, a column per context; each cell gives
-tokens/s with its band and the step's largest term, or says that the configuration does not fit the
-GPU's memory and what it would need.
+tokens/s with its band and the step's largest term (and the spare memory when it fits tightly), or
+says that the configuration does not fit the GPU's memory and what it would need.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def _cell(row: E2ERow, note: Mapping[str, Any]) -> str:
         return md(row.skip_reason or "does not fit")
     band = (f" ({row.tokens_per_s_low:,.0f}-{row.tokens_per_s_high:,.0f})"
             if row.tokens_per_s_low is not None else " (band unknown)")
-    return f"{row.tokens_per_s:,.0f} tok/s{band}; {md(note.get('largest', ''))}"
+    tight = f"; {md(note['tight'])}" if note.get("tight") else ""
+    return f"{row.tokens_per_s:,.0f} tok/s{band}; {md(note.get('largest', ''))}{tight}"
 
 
 def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
@@ -33,6 +34,8 @@ def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
     if not rows:
         return None
     prov = Provenance.of(tables["runs"])
+    if all(r.status != "ok" for r in rows):
+        return _nothing_fits(rows, prov)
     notes: list[Any] = list(prov.answers or [])
     notes += [{}] * (len(rows) - len(notes))
     levels: dict[Any, list[tuple[E2ERow, Mapping[str, Any]]]] = {}
@@ -60,3 +63,14 @@ def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
              "(accepted + 1) / (step + comm), the steady state of a full batch, with its band from the backtests' "
              "held-out errors, and the step's largest term.")
     return WhatIfView(intro, tuple(out), tuple(lines))
+
+
+def _nothing_fits(rows: list[E2ERow], prov: Provenance) -> WhatIfView:
+    """One sentence instead of tables of "does not fit": the smallest configuration and what it needs."""
+    least = min(rows, key=lambda r: (r.concurrency, r.context))
+    return WhatIfView(
+        f"No configuration of the grid fits this host's memory at TP-{least.tp}: the smallest, C = "
+        f"{least.concurrency} at {_context(least.context)} context, {md(least.skip_reason or 'does not fit')}. "
+        f"Its measured rows fit because the bench holds fewer distinct MoE weight sets than the model has "
+        f"layers (engine.model's `weight_sets`); a served model holds one a layer. From "
+        f"{md(prov.reference_host or '?')} run {md(prov.reference_run_id or '?')}.", (), ())
