@@ -205,22 +205,58 @@ def test_cross_host_answers_carry_and_say_so(ref, inv: Inventory) -> None:
     assert there.ms["host"] == pytest.approx(here.ms["host"])
 
 
+def _lm_head_points(bw: float, tf: float) -> list:
+    """A synthetic lm-head sweep: the weights read at every M (bytes nearly constant), the math growing with M,
+    time the sum of the two at 95 % of copy and 80 % of the matmul ceiling."""
+    from engine.rows import KernelRow
+
+    weights = 2.35e9
+    return [KernelRow(kernel="dense_gemm", impl="torch", dtype="bfloat16", op="lm_head", M=m, N=163840, K=7168,
+                      bytes=weights + m * 7168 * 2.0, flops=2.0 * m * 163840 * 7168,
+                      time_us_p50=(weights + m * 7168 * 2.0) / (0.95 * bw * 1e3)
+                      + 2.0 * m * 163840 * 7168 / (0.8 * tf * 1e6))
+            for m in (1, 16, 64, 256, 1024, 4096)]
+
+
 def test_a_weight_stream_stays_in_the_bandwidth_term_where_the_bytes_barely_vary(inv: Inventory) -> None:
     """A dense GEMM reads its weights at every M: bytes nearly constant, so least squares may put the whole
     stream in the latency, which the carrier keeps as is (the H200 -> H100 backtest had the lm-head's
     518 us carried unchanged onto a machine with 0.7x the bandwidth). Its memory-bound points' bytes move at
     the copy bandwidth, so the stream carries with the bandwidth."""
-    from engine.rows import KernelRow
     from flows.analysis.kernelfit import Carry
 
-    bw, tf, weights = 4200.0, 790.0, 2.35e9
-    pts = [KernelRow(kernel="dense_gemm", impl="torch", dtype="bfloat16", op="lm_head", M=m, N=163840, K=7168,
-                     bytes=weights + m * 7168 * 2.0, flops=2.0 * m * 163840 * 7168,
-                     time_us_p50=(weights + m * 7168 * 2.0) / (0.95 * bw * 1e3) + 2.0 * m * 163840 * 7168 / (0.8 * tf * 1e6))
-           for m in (1, 16, 64, 256, 1024, 4096)]
+    bw, tf = 4200.0, 790.0
+    pts = _lm_head_points(bw, tf)
     cls = fit_family("dense_gemm", pts, bw, tf).classes[("lm_head", 1)]
     assert 1e-3 / cls.fit.us_per_byte == pytest.approx(bw)
     h200, h100 = inv.specs["h200-sxm"], inv.specs["h100-sxm"]
     slower = Carry(Side.of(h200, bw, tf), Side.of(h100, 0.7 * bw, tf)).fit(cls.fit)
     at_one = pts[0].bytes, pts[0].flops
     assert slower.us(*at_one) == pytest.approx(cls.fit.us(*at_one) / 0.7, rel=0.03)
+
+
+def test_a_compute_bound_point_carries_by_the_compute_ceiling_alone(inv: Inventory) -> None:
+    """The additive fit keeps a byte term at a compute-bound point; carried by the memory carrier it made a
+    large-M dense GEMM faster on a machine of more bandwidth and the same math (the H100 -> H200 compute-bound
+    dense rows came out too fast). A point the fit calls compute-bound moves with the compute ceilings alone;
+    a memory-bound one still moves with the copy ceiling."""
+    from flows.analysis.families import shape_of
+    from flows.analysis.kernelfit import Carry
+
+    bw, tf = 3000.0, 790.0
+    pts = _lm_head_points(bw, tf)
+    model = fit_family("dense_gemm", pts, bw, tf)
+    h100, h200 = inv.specs["h100-sxm"], inv.specs["h200-sxm"]
+    more_bw = lambda dtype: Carry(Side.of(h100, bw, tf), Side.of(h200, 1.4 * bw, tf))  # noqa: E731
+    more_tf = lambda dtype: Carry(Side.of(h100, bw, tf), Side.of(h200, bw, 2 * tf))  # noqa: E731
+
+    def at(p, carry=None) -> float:
+        got = model.time_us(("lm_head", 1), shape_of(p), p.bytes, p.flops, carry)
+        assert got is not None
+        return got[0].value
+
+    small, large = pts[0], pts[-1]
+    assert at(large, more_bw) == pytest.approx(at(large), rel=1e-9)    # compute-bound: the math did not move
+    assert at(small, more_bw) < at(small) / 1.3                        # memory-bound: it moves with copy
+    lat = model.classes[("lm_head", 1)].fit.latency_us                 # type: ignore[union-attr]
+    assert at(large, more_tf) == pytest.approx(lat + (at(large) - lat) / 2, rel=1e-9)

@@ -19,7 +19,8 @@ fleet index says which); a spec sheet without the SM count leaves only SHARE, an
 is taken equal to the reference's; where either side's latency is unknown, the form itself is uncertain, and
 `others` names the candidates whose figures a band must hold too.
 
-flows.analysis.kernelfit applies it to the bandwidth term of each kernel family's fitted model.
+flows.analysis.kernelfit applies it to the bandwidth term of each kernel family's fitted model at the points the fit
+calls memory-bound (a compute-bound point carries by the compute ceilings alone).
 """
 
 from __future__ import annotations

@@ -62,7 +62,9 @@ def assumption_text(a: Assumption) -> str:
         return (f"kernel families {', '.join(md(f) for f in a.families)}: each fitted on the reference's sweep as "
                 f"latency + bytes / bandwidth + flops / compute, times each measured point's own residual "
                 f"(interpolated between measured shapes); on the target the latency is kept, {carried}{latency}, "
-                f"the compute term by the ratio of the matmul ceilings; tree kernels as measured{held}")
+                f"the compute term by the ratio of the matmul ceilings, and at a point the fit calls compute-bound "
+                f"(flop term at least byte term) all of its time beyond the latency by that ratio; tree kernels as "
+                f"measured{held}")
     if isinstance(a, Kept):
         return (f"kept as measured: a launch floor of up to {a.launch_floor_us:g} us per kernel, the host-side "
                 f"points ({', '.join(md(h) for h in a.host_side)}) and latency-bound points (under "
