@@ -153,6 +153,7 @@ def test_backtest_two_measured_hosts(tmp_path: Path, inv: Inventory) -> None:
     # both synthetic hosts keep one share of their bandwidth at each M; the carrier keeps the bytes in
     # flight per SM instead, so on the PRO 6000's 188 SMs the small sizes come out faster than this data
     assert moe.points == 10 and len(moe.ratios) == 10 and moe.median_error < 0
+    assert moe.target_gbps == inv.specs["rtx-pro-6000-server"].mem_bw_gbps   # how fast a machine the carry reached
     back = next(r for r in rows if (r.reference, r.target, r.family) == ("pro6000", "h200", "moe_w4a16/triton"))
     assert back.median_error > 0                       # and the other way round, slower
     assert any(r.family == "e2e tokens/s" and r.target == "pro6000" and r.reference == "h200" for r in rows)

@@ -12,7 +12,7 @@ import pytest
 from support import stepmodel as synth
 from engine.config import K2, make_config
 from engine.rows import AcceptShape, MlaShape, MoeShape, TreeShape, table_rows
-from flows.analysis.carrier import Side, memory_gbps
+from flows.analysis.carrier import HARMONIC, LITTLE, SHARE, Side, how, memory_gbps, others
 from flows.analysis.families import shape_at
 from flows.analysis.kernelfit import along, fit_family
 from flows.analysis.reference import load_reference, machine_of
@@ -159,16 +159,40 @@ def test_little_law_carries_bytes_in_flight_not_a_share_of_bandwidth(inv: Invent
     ref = Side.of(h200, 4200.0, 790.0)
     # 2 TB/s achieved on 132 SMs: 188 SMs with the same bytes in flight would move 2.85 TB/s, more than the
     # PRO 6000's copy ceiling of 1.4 TB/s, so it reaches that ceiling; a fixed share would give 0.67 TB/s
-    assert memory_gbps(2000.0, ref, Side.of(pro, 1400.0, 400.0)) == pytest.approx(1400.0)
+    assert memory_gbps(2000.0, ref, Side.of(pro, 1400.0, 400.0), LITTLE) == pytest.approx(1400.0)
     # a B300 (160 SMs, 7 TB/s copy) needs more bytes in flight per SM than the kernel keeps: 2.42 TB/s
-    assert memory_gbps(2000.0, ref, Side.of(b300, 7000.0, 1800.0)) == pytest.approx(2000.0 * 160 / 132)
-    # without an SM count on a spec sheet, the share of the copy ceiling carries
+    assert memory_gbps(2000.0, ref, Side.of(b300, 7000.0, 1800.0), LITTLE) == pytest.approx(2000.0 * 160 / 132)
+    # without an SM count on a spec sheet, the share of the copy ceiling carries, whatever form is asked
     no_sms = Side(7000.0, 1800.0, None, None)
+    assert how(ref, no_sms) == SHARE and others(ref, no_sms) == ()
     assert memory_gbps(2000.0, ref, no_sms) == pytest.approx(2000.0 / 4200.0 * 7000.0)
     # a known latency on both sides scales it too
     slow = dataclasses.replace(Side.of(b300, 7000.0, 1800.0), latency_ns=800.0)
-    assert memory_gbps(2000.0, dataclasses.replace(ref, latency_ns=600.0), slow) == \
+    assert memory_gbps(2000.0, dataclasses.replace(ref, latency_ns=600.0), slow, LITTLE) == \
         pytest.approx(2000.0 * 160 / 132 * 600 / 800)
+
+
+def test_the_harmonic_carrier_moves_with_the_copy_ceiling_where_the_sms_are_the_same(inv: Inventory) -> None:
+    """An H100 and an H200 are one die with 132 SMs: Little's law gave the same bytes/s on both (the
+    H100 -> H200 backtest came out as slow as the H100), while the H200 moves more with the same kernel. The
+    harmonic carrier splits a point's time into bytes / copy + bytes / in-flight rate and carries only the
+    second by the SMs, so the first follows the target's copy ceiling."""
+    h100, h200, pro = (inv.specs[n] for n in ("h100-sxm", "h200-sxm", "rtx-pro-6000-server"))
+    ref, tgt = Side.of(h100, 3000.0, 700.0), Side.of(h200, 4200.0, 700.0)
+    assert how(ref, tgt) == HARMONIC
+    wait = 1 / 2800.0 - 1 / 3000.0          # 1 / the in-flight rate on the H100
+    assert memory_gbps(2800.0, ref, tgt) == pytest.approx(1 / (1 / 4200.0 + wait))   # 3.82 TB/s
+    assert memory_gbps(2800.0, ref, tgt, LITTLE) == pytest.approx(2800.0)            # Little: unmoved
+    assert memory_gbps(2800.0, ref, ref) == pytest.approx(2800.0)                    # a machine onto itself
+    assert memory_gbps(3100.0, ref, tgt) == pytest.approx(4200.0)   # at (or past) copy: the target's copy
+    # the in-flight rate scales with the SMs: 188 against 132
+    to_pro = Side.of(pro, 1400.0, 400.0)
+    assert memory_gbps(2800.0, ref, to_pro) == pytest.approx(1 / (1 / 1400.0 + wait * 132 / 188))
+    # with no latency on either side the form is a guess: a band must hold the other candidates' figures
+    assert others(ref, tgt) == (LITTLE, SHARE)
+    assert others(dataclasses.replace(ref, latency_ns=600.0), dataclasses.replace(tgt, latency_ns=600.0)) == ()
+    with pytest.raises(ValueError):
+        memory_gbps(2800.0, ref, tgt, "fixed")
 
 
 def test_cross_host_answers_carry_and_say_so(ref, inv: Inventory) -> None:
@@ -181,22 +205,58 @@ def test_cross_host_answers_carry_and_say_so(ref, inv: Inventory) -> None:
     assert there.ms["host"] == pytest.approx(here.ms["host"])
 
 
+def _lm_head_points(bw: float, tf: float) -> list:
+    """A synthetic lm-head sweep: the weights read at every M (bytes nearly constant), the math growing with M,
+    time the sum of the two at 95 % of copy and 80 % of the matmul ceiling."""
+    from engine.rows import KernelRow
+
+    weights = 2.35e9
+    return [KernelRow(kernel="dense_gemm", impl="torch", dtype="bfloat16", op="lm_head", M=m, N=163840, K=7168,
+                      bytes=weights + m * 7168 * 2.0, flops=2.0 * m * 163840 * 7168,
+                      time_us_p50=(weights + m * 7168 * 2.0) / (0.95 * bw * 1e3)
+                      + 2.0 * m * 163840 * 7168 / (0.8 * tf * 1e6))
+            for m in (1, 16, 64, 256, 1024, 4096)]
+
+
 def test_a_weight_stream_stays_in_the_bandwidth_term_where_the_bytes_barely_vary(inv: Inventory) -> None:
     """A dense GEMM reads its weights at every M: bytes nearly constant, so least squares may put the whole
     stream in the latency, which the carrier keeps as is (the H200 -> H100 backtest had the lm-head's
     518 us carried unchanged onto a machine with 0.7x the bandwidth). Its memory-bound points' bytes move at
     the copy bandwidth, so the stream carries with the bandwidth."""
-    from engine.rows import KernelRow
     from flows.analysis.kernelfit import Carry
 
-    bw, tf, weights = 4200.0, 790.0, 2.35e9
-    pts = [KernelRow(kernel="dense_gemm", impl="torch", dtype="bfloat16", op="lm_head", M=m, N=163840, K=7168,
-                     bytes=weights + m * 7168 * 2.0, flops=2.0 * m * 163840 * 7168,
-                     time_us_p50=(weights + m * 7168 * 2.0) / (0.95 * bw * 1e3) + 2.0 * m * 163840 * 7168 / (0.8 * tf * 1e6))
-           for m in (1, 16, 64, 256, 1024, 4096)]
+    bw, tf = 4200.0, 790.0
+    pts = _lm_head_points(bw, tf)
     cls = fit_family("dense_gemm", pts, bw, tf).classes[("lm_head", 1)]
     assert 1e-3 / cls.fit.us_per_byte == pytest.approx(bw)
     h200, h100 = inv.specs["h200-sxm"], inv.specs["h100-sxm"]
     slower = Carry(Side.of(h200, bw, tf), Side.of(h100, 0.7 * bw, tf)).fit(cls.fit)
     at_one = pts[0].bytes, pts[0].flops
     assert slower.us(*at_one) == pytest.approx(cls.fit.us(*at_one) / 0.7, rel=0.03)
+
+
+def test_a_compute_bound_point_carries_by_the_compute_ceiling_alone(inv: Inventory) -> None:
+    """The additive fit keeps a byte term at a compute-bound point; carried by the memory carrier it made a
+    large-M dense GEMM faster on a machine of more bandwidth and the same math (the H100 -> H200 compute-bound
+    dense rows came out too fast). A point the fit calls compute-bound moves with the compute ceilings alone;
+    a memory-bound one still moves with the copy ceiling."""
+    from flows.analysis.families import shape_of
+    from flows.analysis.kernelfit import Carry
+
+    bw, tf = 3000.0, 790.0
+    pts = _lm_head_points(bw, tf)
+    model = fit_family("dense_gemm", pts, bw, tf)
+    h100, h200 = inv.specs["h100-sxm"], inv.specs["h200-sxm"]
+    more_bw = lambda dtype: Carry(Side.of(h100, bw, tf), Side.of(h200, 1.4 * bw, tf))  # noqa: E731
+    more_tf = lambda dtype: Carry(Side.of(h100, bw, tf), Side.of(h200, bw, 2 * tf))  # noqa: E731
+
+    def at(p, carry=None) -> float:
+        got = model.time_us(("lm_head", 1), shape_of(p), p.bytes, p.flops, carry)
+        assert got is not None
+        return got[0].value
+
+    small, large = pts[0], pts[-1]
+    assert at(large, more_bw) == pytest.approx(at(large), rel=1e-9)    # compute-bound: the math did not move
+    assert at(small, more_bw) < at(small) / 1.3                        # memory-bound: it moves with copy
+    lat = model.classes[("lm_head", 1)].fit.latency_us                 # type: ignore[union-attr]
+    assert at(large, more_tf) == pytest.approx(lat + (at(large) - lat) / 2, rel=1e-9)

@@ -46,12 +46,14 @@ class TargetCeilings:
 @dataclass(frozen=True)
 class KernelModels:
     """The kernel families carried by their fitted models; SM counts and DRAM latencies (reference,
-    target) where the spec sheets have them."""
+    target) where the spec sheets have them; the carrier's form and the other forms the bands hold."""
 
     WHAT: ClassVar[str] = "kernel_models"
     families: list[str]
     sms: list[int | None] = field(default_factory=lambda: [None, None])
     latency_ns: list[float | None] = field(default_factory=lambda: [None, None])
+    carrier: str = ""                                # the memory-bound carrier's form (flows.analysis.carrier)
+    others: list[str] = field(default_factory=list)  # the other forms each band also holds
 
 
 @dataclass(frozen=True)
@@ -142,11 +144,15 @@ class E2eNotMeasured:
 
 @dataclass(frozen=True)
 class BandEvidence:
-    """Where the bands come from: the backtests' held-out errors, over these references."""
+    """Where the bands come from: the backtests' held-out errors, over these references; the spec copy
+    bandwidth (GB/s) of each machine that evidence came from (the reference and the targets of its cross-host
+    carries) and of the target, so a page can say when its target is faster than all of them."""
 
     WHAT: ClassVar[str] = "band"
     references: list[str]
     min_points: int = 5
+    evidence_gbps: dict[str, float] = field(default_factory=dict)
+    target_gbps: float | None = None
 
 
 @dataclass(frozen=True)

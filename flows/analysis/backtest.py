@@ -69,6 +69,7 @@ class BacktestRow:
     ratios: tuple[float, ...] = ()      # measured / projected of each point: a carry's evidence
     groups: tuple[str, ...] = ()        # the group of each point (one configuration's acceptance levels)
     strata: tuple[str, ...] = ()        # the stratum of each point's answer (flows.analysis.bands; empty: one)
+    target_gbps: float | None = None    # cross-host: the target's spec copy bandwidth, how fast a machine the carry reached
 
     @property
     def skipped(self) -> bool:
@@ -284,7 +285,8 @@ def cross_host(data: Sequence[Dataset], outside: Sequence[Dataset] = ()) -> list
             tps = {tp_of(r) for r in rows_of(tgt.tables, "e2e")} or {1}
             machine = replace(tgt.machine, gpus=max(tps))   # the target as its e2e rows ran
             proj = project(ref.tables, ref.machine, machine)
-            out += compare(ref, tgt, machine, proj, relax_impl=is_outside(tgt.tables))
+            out += [replace(r, target_gbps=tgt.machine.spec.mem_bw_gbps)
+                    for r in compare(ref, tgt, machine, proj, relax_impl=is_outside(tgt.tables))]
     return out
 
 

@@ -15,6 +15,9 @@ fewer than MIN_POINTS held-out points has no band: the figure's band is unknown 
 carry lacks evidence, never a narrow band. Kernel-level carries (a family's size) act on the step
 through that family's share of it.
 
+Where the memory-bound carrier's form is uncertain (flows.analysis.carrier.others), a figure's band also holds
+what each other candidate carrier gives for it: no held-out evidence settles the form for the target.
+
 Cross-host evidence is the carries from the projection's own reference (the carry the other way is the
 same points mirrored, not more evidence), and a rate's held-out ratios (tokens/s) count inverted, as time.
 
@@ -165,6 +168,15 @@ def combine(parts: Mapping[str, tuple[Evidence, float] | tuple[Evidence, float, 
     return Band(min(math.exp(centre - h), 1.0), max(math.exp(centre + h), 1.0))
 
 
+def holding(band: Band, ratios: Sequence[float]) -> Band:
+    """The band widened to hold each of `ratios` (another candidate's time over the figure's: what the other
+    carriers would give where the carrier's form is uncertain, flows.analysis.carrier.others); an unknown
+    band stays unknown."""
+    if not band.known or not ratios:
+        return band
+    return Band(min(band.low, *ratios), max(band.high, *ratios))  # type: ignore[type-var]
+
+
 def jackknife(ratios: Sequence[float], groups: Sequence[object],
               strata: Sequence[str] = ()) -> list[tuple[float, float] | None]:
     """For each held-out point, the edges from the other groups' ratios of its stratum only (its own
@@ -184,12 +196,24 @@ def from_reference(evidence: Sequence[object], reference: str) -> list[object]:
     return [e for e in evidence if getattr(e, "kind") != "cross-host" or getattr(e, "reference") == reference]
 
 
-def step_band(step: Any, evidence: Sequence[object], spread: float) -> Band:
-    """The band of a step model answer: each carry it used, with the evidence the backtests stored."""
+def reached(evidence: Sequence[object], reference: str, ref_gbps: float) -> dict[str, float]:
+    """The machines a projection's band evidence came from, by spec copy bandwidth (GB/s): its reference
+    and the targets of the reference's cross-host carries."""
+    out = {reference: ref_gbps}
+    for e in from_reference(evidence, reference):
+        if getattr(e, "kind") == "cross-host" and getattr(e, "target_gbps", None):
+            out[str(getattr(e, "target"))] = float(getattr(e, "target_gbps"))
+    return out
+
+
+def step_band(step: Any, evidence: Sequence[object], spread: float, others: Sequence[Any] = ()) -> Band:
+    """The band of a step model answer: each carry it used, with the evidence the backtests stored, holding
+    the same answer under each other candidate carrier (`others`: those answers)."""
     parts = {}
     for carry in step.carries:
         share = step.share(carry.split(":")[1]) if carry.startswith("size:") else 1.0
         stratum = step.stratum if carry == "composition" else ""
         parts[f"{carry} {stratum}".strip()] = (evidence_of(evidence, carry, stratum), share,
                                               evidence_of(evidence, carry, stratum, others=True))
-    return combine(parts, spread)
+    whole = step.step_ms + step.ms["comm"]
+    return holding(combine(parts, spread), [(o.step_ms + o.ms["comm"]) / whole for o in others])

@@ -10,9 +10,10 @@ full shapes' large-M points inform the shards'.
 A query's time is that fit at the query's bytes and flops times the measured/fit ratio interpolated
 between the measured shapes (flows.analysis.interp): a measured shape comes back as measured, a shape between
 two lies on the family's own curve, and one outside the sweep follows the fit (the ratio held at the
-edge) and is labelled extrapolated. Carried to another machine (`Carry`), the latency stays, the
-bandwidth goes by Little's law (flows.analysis.carrier) and the compute rate by the ratio of the ceilings;
-the latency-bound tree kernels stay as measured.
+edge) and is labelled extrapolated. Carried to another machine (`Carry`), the latency stays; at a point
+the fit calls memory-bound the bandwidth goes by the carrier (flows.analysis.carrier) and the compute rate by
+the ratio of the compute ceilings, at one it calls compute-bound (flop term at least byte term) all of the
+time beyond the latency goes by that ratio; the latency-bound tree kernels stay as measured.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from engine.config import ModelConfig
 from engine.costs import build_tree_cost, expected_experts, mla_cost, moe_cost, tree_accept_cost
 from engine.rows import AcceptShape, KernelRow, MlaShape, MoeShape, Shape, TreeShape
 from flows.analysis.carrier import Side, memory_gbps
-from flows.analysis.families import MEMORY, SHAPES, bound, host_side, preferred, shape_of, tp_of
+from flows.analysis.families import COMPUTE, MEMORY, SHAPES, bound, host_side, preferred, shape_of, tp_of
 from flows.analysis.interp import Estimate, interpolate
 
 SHARED_COMPUTE = {"moe_w4a16"}
@@ -62,15 +63,28 @@ class ShapeClass:
 
 @dataclass(frozen=True)
 class Carry:
-    """The reference and target as the carrier sees them (ceilings of the family's dtype)."""
+    """The reference and target as the carrier sees them (ceilings of the family's dtype), and the carrier's
+    form (None: the shipped one)."""
 
     ref: Side
     tgt: Side
+    form: str | None = None
 
     def fit(self, f: Fit) -> Fit:
+        """The fit as a memory-bound point carries it: the byte term by the carrier, the flop term by the
+        ratio of the compute ceilings."""
         gbps = 1e-3 / f.us_per_byte if f.us_per_byte else None
-        per_byte = 1e-3 / min(memory_gbps(gbps, self.ref, self.tgt), self.tgt.gbps) if gbps else 0.0
+        per_byte = 1e-3 / min(memory_gbps(gbps, self.ref, self.tgt, self.form), self.tgt.gbps) if gbps else 0.0
         return Fit(f.latency_us, per_byte, f.us_per_flop * self.ref.tflops / self.tgt.tflops)
+
+    def us(self, f: Fit, nbytes: float, flops: float) -> float:
+        """The fit's time at a point, carried. A point the fit calls compute-bound (its flop term at least its
+        byte term) carries all of its time beyond the latency by the compute ceilings' ratio: the additive fit
+        keeps a byte term there that the math hides, and moving it with the memory carrier would make a
+        compute-bound kernel faster on a machine of more bandwidth but the same math."""
+        if bound(nbytes * f.us_per_byte, flops * f.us_per_flop) == COMPUTE:
+            return f.latency_us + (f.us(nbytes, flops) - f.latency_us) * self.ref.tflops / self.tgt.tflops
+        return self.fit(f).us(nbytes, flops)
 
 
 @dataclass(frozen=True)
@@ -104,8 +118,8 @@ class FamilyModel:
         if cls.fit is None:     # time itself along the sweep, its edge trend extended; the same on any GPU
             return interpolate(cls.samples, along(shape), self.axes, beyond="slope"), picked[1]
         to = carry(cls.dtype) if carry else None
-        fit = cls.fit if to is None else to.fit(cls.fit)
-        return interpolate(cls.samples, along(shape), self.axes).scaled(fit.us(nbytes, flops)), picked[1]
+        us = cls.fit.us(nbytes, flops) if to is None else to.us(cls.fit, nbytes, flops)
+        return interpolate(cls.samples, along(shape), self.axes).scaled(us), picked[1]
 
 
 def cost_of(cfg: ModelConfig, shape: Shape, tp: int = 1) -> tuple[float, float]:

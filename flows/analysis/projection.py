@@ -7,14 +7,15 @@ writes prose. The assumptions travel as data (typed records, flows.analysis.assu
 every table's provenance, key `assumptions`) that the notes turn into sentences.
 
 Kernel points of the families kdbench models are carried by their kernel models (flows.analysis.kernelfit:
-latency kept, bandwidth by Little's law, compute by the ratio of the ceilings); the ceilings are the
-reference's measured copy bandwidth and matmul throughput and the same fractions of the target's
+latency kept, bandwidth by flows.analysis.carrier, compute by the ratio of the ceilings); the ceilings are
+the reference's measured copy bandwidth and matmul throughput and the same fractions of the target's
 spec sheet, so projecting a machine onto itself gives back its measurements. Other points keep
 their own efficiency on the resource that bounds them (`project_point`); host-side work (a CPU
 kernel, Python) is kept. Each measured e2e row becomes the step model's answer (flows.analysis.stepmodel) at
 its configuration on one rank of a TP-(target GPUs) deployment, comm over the target's own links,
 tokens a step as the row measured them. A figure's band comes from the held-out errors of the carries
-it used (flows.analysis.bands): unknown where the evidence is too thin. Every record says `source = projected`.
+it used (flows.analysis.bands): unknown where the evidence is too thin, and holding what the other candidate
+carriers give where the carrier's form is uncertain. Every record says `source = projected`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from engine.table_files import to_table
 from flows.analysis.assumptions import (Assumption, BandEvidence, Comm, E2eNotMeasured, E2eWithoutSplit, Kept,
                                         KernelModels, ReferenceCeilings, SkippedPoint, StepModel, TargetCeilings,
                                         TensorParallel, TpCarry, parse, record)
-from flows.analysis.bands import MIN_POINTS, Band, combine, from_reference, step_band
+from flows.analysis.bands import MIN_POINTS, Band, combine, from_reference, holding, reached, step_band
+from flows.analysis.carrier import Side, how, others
 from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError,
                                      Tables, allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
 from flows.analysis.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, bound, e2e_key,
@@ -146,7 +148,8 @@ def project_kernels(rows: list[KernelRow], model: Model, evidence: Sequence[Any]
                     ref_run_id: str) -> list[KernelRow]:
     """Every measured point on the target: by its family's kernel model where kdbench has one and the point
     is of the implementation the model was fitted on (its band from the cross-host evidence of that family
-    in the point's regime on the target; the p10-p90 spread on the reference's own machine), else (a
+    in the point's regime on the target, holding the other candidate carriers' times, never faster than the
+    target's spec roofline; the p10-p90 spread on the reference's own machine), else (a
     baseline such as the torch reference) by `project_point`."""
     effs = family_effs(rows, model.ref_c)
     modelled = {point_key(p) for k in {r.kernel for r in rows} for p in preferred([r for r in rows if r.kernel == k])}
@@ -168,9 +171,14 @@ def project_kernels(rows: list[KernelRow], model: Model, evidence: Sequence[Any]
                 ratios = tuple(x for e in rows_ for x in e.ratios)
                 band = combine({f"cross-host {label(r)} {reg}": ((ratios, tuple(map(str, range(len(ratios))))), 1.0)},
                                _spread(r))
+                band = holding(band, [alt[0].value / t for m in model.others()
+                                      for alt in [fam.time_us(class_key(r), shape_of(r), r.bytes, r.flops, m.carry)]
+                                      if alt])
             else:
                 band = measured_band(r)
-            p = dict(time_us_p50=t, time_us_low=t * band.low if band.known else None,
+            spec = model.target.spec   # no band edge beats the target's spec roofline
+            floor = min(t, max(_ideal_us(r, spec.mem_bw_gbps, peak_tflops(spec, r.dtype))))
+            p = dict(time_us_p50=t, time_us_low=max(t * band.low, floor) if band.known else None,
                      time_us_high=t * band.high if band.known else None,
                      regime=reg, reference_regime=regime(r, *model.ref_c.of(r.dtype)))
         q = replace(r, **p, run_id=run_id, source="projected", reference_run_id=ref_run_id,
@@ -237,7 +245,8 @@ def project_e2e(tables: Tables, model: Model, evidence: Sequence[Any], run_id: s
         per_step = r.tokens_per_s * (r.step_ms_p50 + (r.comm_ms or 0.0)) / 1e3 / r.concurrency \
             if r.tokens_per_s else (r.accept_len_mean or 0.0) + 1.0
         tps = r.concurrency * per_step / (s.step_ms + s.ms["comm"]) * 1e3
-        low, high = step_band(s, evidence, spread).of_rate(tps)
+        alts = [answer(m, replace(query_of(r), tp=tp), config_of(r)) for m in model.others()]
+        low, high = step_band(s, evidence, spread, alts).of_rate(tps)
         out.append(E2ERow(config=r.config, layers=r.layers, concurrency=r.concurrency, budget=r.budget,
                           context=r.context, synthetic_accept=r.synthetic_accept, accept_len_mean=r.accept_len_mean,
                           weight_sets=r.weight_sets, vocab=r.vocab,
@@ -327,7 +336,7 @@ def project(tables: Tables, ref: Machine, target: Machine,
         e2e = {e2e_key(e): e for e in x.eproj}
         main.eproj = [_widen_e2e(e, e2e.get(e2e_key(e))) for e in main.eproj]
     refs = [ref_run_id] + [t["runs"].column(COLUMNS.run_id)[0].as_py() for t, _ in also]
-    records = [record(a) for a in assumption_records(ref, target, ref_run_id, main, refs)]
+    records = [record(a) for a in assumption_records(ref, target, ref_run_id, main, refs, evidence)]
     prov_ref = Provenance.of(tables["runs"])
     spec_figs = target.spec.model_dump(exclude={"sources"})
     device = "cpu" if target.spec.arch == "cpu" else "cuda"
@@ -359,17 +368,19 @@ def project(tables: Tables, ref: Machine, target: Machine,
     return out
 
 
-def assumption_records(ref: Machine, target: Machine, ref_run_id: str, p: _Parts,
-                       refs: list[str]) -> list[Assumption]:
+def assumption_records(ref: Machine, target: Machine, ref_run_id: str, p: _Parts, refs: list[str],
+                       evidence: Sequence[Any]) -> list[Assumption]:
     """What the projection assumed, as typed records; the notes word them."""
     ref_c, tgt_c, cal = p.model.ref_c, p.model.tgt_c, p.model.cal
     dt = DTYPE_KEYS.get(ref_c.mm_dtype, ref_c.mm_dtype)
+    sides = Side.of(ref.spec, 1.0, 1.0), Side.of(target.spec, 1.0, 1.0)
     recs: list[Assumption] = [
         ReferenceCeilings(ref.name, ref_run_id, ref.spec.gpu, ref_c.gbps, ref_c.bw_frac, ref.spec.mem_bw_gbps,
                           ref_c.tflops(), ref_c.fl_frac, peak_tflops(ref.spec, ref_c.mm_dtype), dt),
         TargetCeilings(target.name, target.spec.gpu, tgt_c.gbps, tgt_c.tflops(), dt),
         KernelModels(sorted(p.model.fams), [ref.spec.sms, target.spec.sms],
-                     [ref.spec.mem_latency_ns, target.spec.mem_latency_ns]),
+                     [ref.spec.mem_latency_ns, target.spec.mem_latency_ns], how(sides[0], sides[1]),
+                     list(others(*sides))),
         Kept(LAUNCH_FLOOR_US, LATENCY_SHARE, sorted({"*/cpu"} | {f"{k}/{i}" for k, i in HOST_SIDE})),
         StepModel(cal.rows, cal.split, list(cal.tps), cal.host_fixed_ms, cal.host_per_layer_ms,
                   {f: [min(v for _, v in s), max(v for _, v in s)] for f, s in sorted(cal.factors.items())},
@@ -383,5 +394,5 @@ def assumption_records(ref: Machine, target: Machine, ref_run_id: str, p: _Parts
         recs.append(E2eWithoutSplit(p.skipped_e2e))
     if p.not_measured:
         recs.append(E2eNotMeasured(len(p.not_measured), p.not_measured[:NOT_MEASURED_LISTED]))
-    recs.append(BandEvidence(refs, MIN_POINTS))
+    recs.append(BandEvidence(refs, MIN_POINTS, reached(evidence, ref.name, ref.spec.mem_bw_gbps), target.spec.mem_bw_gbps))
     return recs

@@ -35,7 +35,7 @@ from typing import Sequence
 from engine.config import CONFIGS, ModelConfig
 from engine.costs import dense_op_cost, dense_op_rows, dense_ops
 from engine.rows import COLUMNS, CommRow, DenseShape, E2ERow, Shape
-from flows.analysis.carrier import SHARE, Side, how
+from flows.analysis.carrier import SHARE, Side, how, others
 from flows.analysis.families import E2E_CONTEXT, e2e_key, shape_at, tp_of
 from flows.analysis.interp import Estimate, Sample, interpolate, interpolate_borrowing
 from flows.analysis.kernelfit import Carry, FamilyModel, cost_of, fit_all
@@ -132,6 +132,7 @@ class Model:
     cal: Calibration
     ref_run_id: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    form: str | None = None        # the memory-bound carrier's form (flows.analysis.carrier; None: the shipped one)
 
     @property
     def cross_host(self) -> bool:
@@ -140,7 +141,15 @@ class Model:
     def carry(self, dtype: str) -> Carry | None:
         if not self.cross_host:
             return None
-        return Carry(Side.of(self.ref.spec, *self.ref_c.of(dtype)), Side.of(self.target.spec, *self.tgt_c.of(dtype)))
+        return Carry(Side.of(self.ref.spec, *self.ref_c.of(dtype)), Side.of(self.target.spec, *self.tgt_c.of(dtype)),
+                     self.form)
+
+    def others(self) -> tuple["Model", ...]:
+        """The same model under each other candidate carrier whose figure a band must hold (carrier.others)."""
+        if not self.cross_host:
+            return ()
+        return tuple(replace(self, form=f) for f in others(Side.of(self.ref.spec, 1.0, 1.0),
+                                                           Side.of(self.target.spec, 1.0, 1.0)))
 
 
 def config_of(row: E2ERow) -> ModelConfig:

@@ -69,7 +69,7 @@ def answers(model: Model, queries: Sequence[tuple[Query, float | None]], evidenc
     evidence = from_reference(evidence, model.ref.name)
     for q, level in queries:
         s = answer(model, q)
-        out.append(Answer(s, step_band(s, evidence, spread), level))
+        out.append(Answer(s, step_band(s, evidence, spread, [answer(m, q) for m in model.others()]), level))
     return out
 
 

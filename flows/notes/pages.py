@@ -149,6 +149,7 @@ class Page:
     projection: ProjectionView | None
     outside: tuple[OutsideEntry, ...]
     whatif: WhatIfView | None = None
+    band_note: str | None = None        # what the bands rest on, where the page must say so next to them
 
 
 @dataclass(frozen=True)

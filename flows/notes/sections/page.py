@@ -15,7 +15,7 @@ from flows.notes.sections.kernels import kernels_view
 from flows.notes.sections.machine import environment, history, status_line
 from flows.notes.sections.moe import moe_view
 from flows.notes.sections.outside import outside_entries
-from flows.notes.sections.projected import projection_view
+from flows.notes.sections.projected import band_caveat, projection_view
 from flows.notes.sections.whatif import whatif_view
 from flows.notes.summary import guarded_headline, headline
 from flows.notes.views import HostView
@@ -47,7 +47,8 @@ def page_view(view: HostView) -> tuple[Page, tuple[Chart, ...]]:
         comm=comm_view(view) if some else None,
         comparison=comparison(view) if view.kind == "measured" else None,
         projection=projection_view(view) if view.kind == "projected" else None,
-        outside=outside_entries(view), whatif=whatif_view(view.whatif.tables) if view.whatif else None)
+        outside=outside_entries(view), whatif=whatif_view(view.whatif.tables) if view.whatif else None,
+        band_note=band_caveat(view.projection.assumptions, view.name) if view.kind == "projected" else None)
     return page, (*moe_charts, *kernel_charts, *e2e_charts)
 
 

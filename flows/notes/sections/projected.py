@@ -3,8 +3,11 @@ and the backtests that evidence the carries it used."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from flows.analysis.assumptions import (Assumption, BandEvidence, Comm, E2eNotMeasured, E2eWithoutSplit, Kept, KernelModels,
                                ReferenceCeilings, StepModel, TargetCeilings, TensorParallel, map_strings)
+from flows.analysis.carrier import HARMONIC, LITTLE, SHARE
 from flows.analysis.families import label
 from flows.inventory.scrub import md
 from flows.notes.fmt import sig
@@ -20,6 +23,24 @@ TP_HOW = {"same": "measured at that degree", "fit": "re-sharded by a fixed + sha
           "the measured shard-shape kernels where the suite has them)"}
 
 
+# the memory-bound carrier's forms (flows.analysis.carrier), in words
+CARRIER = {HARMONIC: "the harmonic carrier (a point's time is bytes / copy ceiling + bytes / in-flight rate)",
+           LITTLE: "Little's law (the in-flight rate, capped at the copy ceiling)",
+           SHARE: "a fixed share of the copy ceiling"}
+
+
+def band_caveat(assumptions: Sequence[Assumption], host: str) -> str | None:
+    """The words a page puts next to its bands when its target is faster than every machine their evidence
+    came from (None otherwise)."""
+    ev = next((a for a in assumptions if isinstance(a, BandEvidence)), None)
+    if ev is None or not ev.target_gbps or not ev.evidence_gbps or ev.target_gbps <= max(ev.evidence_gbps.values()):
+        return None
+    came = ", ".join(f"{md(h)} {sig(g)} GB/s" for h, g in sorted(ev.evidence_gbps.items(), key=lambda kv: -kv[1]))
+    return (f"this page's bands rest on carries to slower machines; their evidence came from {came}, and none "
+            f"reached {md(host)}'s {sig(ev.target_gbps)} GB/s, so how the carriers extrapolate to more bandwidth "
+            f"is untested and the bands may be too narrow")
+
+
 def assumption_text(a: Assumption) -> str:
     """One stored assumption record in words (its strings escaped for the page)."""
     a = map_strings(a, md)
@@ -31,14 +52,19 @@ def assumption_text(a: Assumption) -> str:
         return (f"target {a.host} on {a.gpu}: the same fractions of its spec sheet give "
                 f"{sig(a.copy_gbps)} GB/s and {sig(a.matmul_tflops)} TFLOP/s {a.dtype}")
     if isinstance(a, KernelModels):
-        little = (f"the bandwidth term by Little's law: bytes in flight per SM x {a.sms[1]} SMs / latency against "
-                  f"{a.sms[0]} SMs on the reference" if all(a.sms) else
-                  "the bandwidth term at the point's share of the copy ceiling (no SM count on a spec sheet)")
+        carried = (f"the bandwidth term by {CARRIER.get(a.carrier, CARRIER[LITTLE])}, its in-flight rate (bytes in "
+                   f"flight per SM x SMs / latency) carried from {a.sms[0]} SMs on the reference to {a.sms[1]}"
+                   if all(a.sms) else
+                   "the bandwidth term at the point's share of the copy ceiling (no SM count on a spec sheet)")
         latency = "" if all(a.latency_ns) else " (DRAM latency taken equal on both: not on both spec sheets)"
+        held = (f"; with no latency on both spec sheets to settle the carrier's form, each band also holds what "
+                f"{' and '.join(CARRIER.get(f, md(f)) for f in a.others)} give" if a.others else "")
         return (f"kernel families {', '.join(md(f) for f in a.families)}: each fitted on the reference's sweep as "
                 f"latency + bytes / bandwidth + flops / compute, times each measured point's own residual "
-                f"(interpolated between measured shapes); on the target the latency is kept, {little}{latency}, "
-                "the compute term by the ratio of the matmul ceilings; tree kernels as measured")
+                f"(interpolated between measured shapes); on the target the latency is kept, {carried}{latency}, "
+                f"the compute term by the ratio of the matmul ceilings, and at a point the fit calls compute-bound "
+                f"(flop term at least byte term) all of its time beyond the latency by that ratio; tree kernels as "
+                f"measured{held}")
     if isinstance(a, Kept):
         return (f"kept as measured: a launch floor of up to {a.launch_floor_us:g} us per kernel, the host-side "
                 f"points ({', '.join(md(h) for h in a.host_side)}) and latency-bound points (under "
