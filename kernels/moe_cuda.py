@@ -243,51 +243,65 @@ class _Call:
         self._bases[:] = pointers
         self._launch(cuda_build.current_stream(self.index))
 
-    def run(self, x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor, ids: Tensor,
-            tw: Tensor) -> Tensor:
-        """Allocate, fill in the pointers, launch; the inputs as moe_w4a16 checked them. Returns the output."""
+    def run(self, x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor, topk_ids: Tensor,
+            topk_weights: Tensor) -> Tensor:
+        """Check what can differ between calls of one shape (the weights' layout; the routing's dtype
+        and layout, converted where they differ), allocate, fill in the pointers, launch. Returns the output."""
+        if not (w13_q.is_contiguous() and w13_s.is_contiguous() and w2_q.is_contiguous() and w2_s.is_contiguous()):
+            raise ValueError("moe_cuda: the expert weights and scales must be contiguous")
+        x = x.contiguous()
+        ids = topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous() else \
+            topk_ids.to(torch.int64).contiguous()
+        tw = topk_weights if topk_weights.dtype == torch.float32 and topk_weights.is_contiguous() else \
+            topk_weights.float().contiguous()
         if self.together:
             buf = torch.empty(self.together, dtype=torch.bfloat16, device=self.device)
-            out, ws = buf.as_strided(self.shape, (self.shape[1], 1)), buf.data_ptr() + self.out_bytes
+            out, at = buf.as_strided(self.shape, (self.shape[1], 1)), buf.data_ptr()
+            ws = at + self.out_bytes
         else:
             out = torch.empty(self.shape, dtype=torch.bfloat16, device=self.device)
             buf = torch.empty(self.ws_bytes, dtype=torch.uint8, device=self.device)  # alive until launched
-            ws = buf.data_ptr()
+            at, ws = out.data_ptr(), buf.data_ptr()
         self((0, ws, x.data_ptr(), w13_q.data_ptr(), w13_s.data_ptr(), w2_q.data_ptr(), w2_s.data_ptr(),
-              ids.data_ptr(), tw.data_ptr(), out.data_ptr()))
+              ids.data_ptr(), tw.data_ptr(), at))
         return out
 
 
 _calls = threading.local()  # per thread: a _Call's argument buffer is written by each call
+CALLS_MAX = 256  # call shapes a thread keeps set up; the oldest goes first past this
 
 
-def _call(key: Key, topk: int, configs: Bucket | None) -> _Call:
+def prepared(x: Tensor, w13_q: Tensor, w2_q: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+             configs: Bucket | None = None) -> _Call | None:
+    """The call set up for these inputs' shape on x's device (one dictionary lookup once set up), or
+    None where the kernel does not run them (`supports`' rules). The routing's shapes are checked when
+    a shape is first set up: they are part of the key, so a cached call never sees other ones."""
     table = getattr(_calls, "table", None)
     if table is None:
         table = _calls.table = {}
-    call = table.get((key, topk, configs))
-    if call is None:
-        why = _why_not(key, configs)
-        if why is not None:
-            raise ValueError(f"moe_cuda: cannot run these inputs here: {why}")
-        (m, h), _, _, index, (e, two_i, _), _ = key
-        cfg = configs or choice(m, two_i // 2, h, index).configs
-        call = table[key, topk, configs] = _Call(index, m, h, e, two_i // 2, topk, cfg)
+    full = (x.shape, x.dtype, x.is_cuda, x.get_device(), w13_q.shape, w2_q.shape, topk_ids.shape,
+            topk_weights.shape, configs)
+    call = table.get(full)
+    if call is not None:
+        return call
+    key: Key = full[:6]
+    if _why_not(key, configs) is not None:
+        return None
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_cuda: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [M = {x.shape[0]}, top-k]")
+    (m, h), _, _, index, (e, two_i, _), _ = key
+    cfg = configs or choice(m, two_i // 2, h, index).configs
+    if len(table) >= CALLS_MAX:
+        del table[next(iter(table))]
+    call = table[full] = _Call(index, m, h, e, two_i // 2, topk_ids.shape[1], cfg)
     return call
 
 
 def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor,
               topk_ids: Tensor, topk_weights: Tensor, configs: Bucket | None = None) -> Tensor:
     """Routed-expert MoE: [M, H] bf16 -> [M, H]; `configs` overrides the M bucket's (the GPU sweep uses it)."""
-    call = _call(_key(x, w13_q, w2_q), topk_ids.shape[1], configs)
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"moe_cuda: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
-                         f"must both be [M = {x.shape[0]}, top-k]")
-    if not (w13_q.is_contiguous() and w13_s.is_contiguous() and w2_q.is_contiguous() and w2_s.is_contiguous()):
-        raise ValueError("moe_cuda: the expert weights and scales must be contiguous")
-    x = x.contiguous()
-    ids = topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous() else \
-        topk_ids.to(torch.int64).contiguous()
-    tw = topk_weights if topk_weights.dtype == torch.float32 and topk_weights.is_contiguous() else \
-        topk_weights.float().contiguous()
-    return call.run(x, w13_q, w13_s, w2_q, w2_s, ids, tw)
+    call = prepared(x, w13_q, w2_q, topk_ids, topk_weights, configs)
+    if call is None:
+        raise ValueError(f"moe_cuda: cannot run these inputs here: {_why_not(_key(x, w13_q, w2_q), configs)}")
+    return call.run(x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights)

@@ -5,8 +5,8 @@ kernel where nvcc built it (kernels/moe_cuda.py), the MLA's Gluon kernel where i
 (kernels/mla_tree_attention.py: sm_90, bf16), else Triton where the kernel's module imports; the
 PyTorch reference otherwise. "cuda", "triton" and "torch" force one (tests use "triton" under
 TRITON_INTERPRET=1 on the CPU). The `*_impl` functions name the kernel a call runs ("cuda", "gluon_ws",
-"gluon", "triton" or "torch": the kernels table's impl column); each op dispatches through its own, so the
-column and the dispatch cannot disagree.
+"gluon", "triton" or "torch": the kernels table's impl column); each op dispatches through its own (the MoE's
+CUDA fast path through the rules its `moe_impl` asks), so the column and the dispatch cannot disagree.
 """
 
 from __future__ import annotations
@@ -64,7 +64,14 @@ def moe_impl(x: Tensor, w13_q: Tensor, w2_q: Tensor, impl: Impl = "auto") -> str
 
 def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tensor,
               topk_ids: Tensor, topk_weights: Tensor, impl: Impl = "auto") -> Tensor:
-    """Routed-expert MoE with K2 INT4 weights: [M, H] -> [M, H] in x's dtype."""
+    """Routed-expert MoE with K2 INT4 weights: [M, H] -> [M, H] in x's dtype. Under "auto" on a CUDA
+    device one lookup finds the CUDA kernel's set-up call, or None where `moe_impl` would not name it
+    (both ask moe_cuda's same rules), so a call does not work out its shape twice."""
+    if impl == "auto" and x.is_cuda:
+        cuda = kernel_module("moe_cuda")
+        call = None if cuda is None else cuda.prepared(x, w13_q, w2_q, topk_ids, topk_weights)
+        if call is not None:
+            return call.run(x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights)
     which = moe_impl(x, w13_q, w2_q, impl)
     fn = reference.moe_w4a16 if which == "torch" else kernel_module(
         "moe_cuda" if which == "cuda" else "moe_gemm").moe_w4a16

@@ -562,6 +562,87 @@ def test_a_small_workspace_lies_behind_the_output_in_one_allocation(fake_module:
             assert out.untyped_storage().nbytes() == 2 * 1024 * h
 
 
+@pytest.fixture
+def calls(fake_device, fake_module: FakeDriver, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001, ANN201
+    """moe_cuda.prepared on a pretend sm_90 device (the driver faked, nothing set up yet): returns a
+    function giving the shard experts' inputs at M rows on device `index` (weights on meta, no memory)."""
+    fake_device(SM90)
+    monkeypatch.setattr(moe_cuda._calls, "table", {}, raising=False)
+    h, inter, e, topk = 7168, 256, 384, 8
+    w13 = (torch.empty(e, 2 * inter, h // 8, dtype=torch.int32, device="meta"),
+           torch.empty(e, 2 * inter, h // 32, dtype=torch.bfloat16, device="meta"))
+    w2 = (torch.empty(e, h, inter // 8, dtype=torch.int32, device="meta"),
+          torch.empty(e, h, inter // 32, dtype=torch.bfloat16, device="meta"))
+
+    def inputs(m: int, index: int = 0) -> tuple[torch.Tensor, ...]:
+        monkeypatch.setattr(torch.Tensor, "get_device", lambda self: index)
+        return (torch.zeros(m, h, dtype=torch.bfloat16), w13[0], w13[1], w2[0], w2[1],
+                torch.zeros(m, topk, dtype=torch.int64), torch.ones(m, topk) / topk)
+    return inputs
+
+
+def _prepared(x, w13_q, w13_s, w2_q, w2_s, ids, tw):  # noqa: ANN001, ANN202
+    return moe_cuda.prepared(x, w13_q, w2_q, ids, tw)
+
+
+def test_a_call_shape_is_set_up_once_per_shape_and_device(calls) -> None:  # noqa: ANN001
+    """One set-up call a shape: the same object for the same shape and device, another for another M,
+    device, top-k or configs; None (not an error) where supports() says the CUDA kernel does not run."""
+    one = _prepared(*calls(1))
+    assert one is not None and one is _prepared(*calls(1)) and one.shape == (1, 7168)
+    others = [_prepared(*calls(2)), _prepared(*calls(1, index=1))]
+    x, *w, ids, tw = calls(1)
+    others.append(_prepared(x, *w, ids[:, :4].contiguous(), tw[:, :4].contiguous()))
+    others.append(moe_cuda.prepared(x, w[0], w[2], ids, tw, moe_configs.H200["shard"][1024]))
+    assert len({id(c) for c in (one, *others)}) == 5
+    assert others[1].index == 1 and one.index == 0
+    assert _prepared(x.float(), *w, ids, tw) is None, "fp32 activations: the Triton kernel's"
+
+
+def test_the_set_up_calls_are_bounded(calls, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(moe_cuda, "CALLS_MAX", 2)
+    first = _prepared(*calls(1))
+    _prepared(*calls(2))
+    _prepared(*calls(4))
+    assert len(moe_cuda._calls.table) == 2
+    again = _prepared(*calls(1))
+    assert again is not first, "the oldest went first and is set up anew"
+
+
+def test_bad_inputs_still_raise_naming_what_is_wrong(calls) -> None:  # noqa: ANN001
+    """The routing's shapes (checked when a shape is set up, every time until one is), the weights'
+    layout (checked each call), inputs the kernel cannot run: through ops and moe_cuda alike."""
+    x, w13_q, w13_s, w2_q, w2_s, ids, tw = calls(1)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="topk_ids .* and topk_weights .* must both be"):
+            ops.moe_w4a16(x, w13_q, w13_s, w2_q, w2_s, ids, tw[:, :4])
+    assert not moe_cuda._calls.table
+    with pytest.raises(ValueError, match="must both be"):
+        moe_cuda.moe_w4a16(x, w13_q, w13_s, w2_q, w2_s, ids[:, :4], tw)
+    _prepared(x, w13_q, w13_s, w2_q, w2_s, ids, tw).device = torch.device("cpu")
+    with pytest.raises(ValueError, match="expert weights and scales must be contiguous"):
+        ops.moe_w4a16(x, w13_q, w13_s.transpose(1, 2), w2_q, w2_s, ids, tw)
+    with pytest.raises(ValueError, match="cannot run these inputs here: the CUDA kernel takes bf16"):
+        moe_cuda.moe_w4a16(x.half(), w13_q, w13_s, w2_q, w2_s, ids, tw)
+
+
+def test_ops_runs_a_set_up_call_without_naming_the_impl_again(calls, fake_module: FakeDriver,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Under "auto" ops finds the set-up call in one lookup (moe_impl is not asked) and launches it; the
+    routing is converted to what the kernel reads where it differs (int32 ids, bf16 weights)."""
+    x, w13_q, w13_s, w2_q, w2_s, ids, tw = calls(1)
+    call = _prepared(x, w13_q, w13_s, w2_q, w2_s, ids, tw)
+    call.device = torch.device("cpu")  # the allocation on the host: what run hands the launches is checked
+
+    def no(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("moe_impl asked on the set-up path")
+    monkeypatch.setattr(ops, "moe_impl", no)
+    fake_module.launched.clear()
+    out = ops.moe_w4a16(x, w13_q, w13_s, w2_q, w2_s, ids.int(), tw.bfloat16())
+    assert out.shape == (1, 7168) and out.dtype == torch.bfloat16
+    assert len(fake_module.launched) == len(call.launches) and fake_module.launched[-1][2][-1] == out.data_ptr()
+
+
 def test_a_chain_launches_in_order_and_names_the_launch_that_failed(launcher: str) -> None:
     """cuda_build.Chain on either path: slots = bases[which] + offset (base 0 a plain value), the
     launches in order on the stream given, the first failure named with the driver's error, and the
