@@ -279,12 +279,11 @@ def prepared(x: Tensor, w13_q: Tensor, w2_q: Tensor, topk_ids: Tensor, topk_weig
     table = getattr(_calls, "table", None)
     if table is None:
         table = _calls.table = {}
-    full = (x.shape, x.dtype, x.is_cuda, x.get_device(), w13_q.shape, w2_q.shape, topk_ids.shape,
-            topk_weights.shape, configs)
+    key = _key(x, w13_q, w2_q)
+    full = (key, topk_ids.shape, topk_weights.shape, configs)
     call = table.get(full)
     if call is not None:
         return call
-    key: Key = full[:6]
     if _why_not(key, configs) is not None:
         return None
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
