@@ -250,7 +250,7 @@ class KernelBench:
             reps = budgeted_repeats(fn, self.dev, self.p.repeats)
         t = time_op(fn, self.dev, reps)
         nbytes, flops = mla_cost(c, batch, budget, context, q_nope.element_size(), tp)
-        return kernel_row("mla_tree_attention", ops.mla_impl(q_nope, impl), str(self.dtype).removeprefix("torch."),
+        return kernel_row("mla_tree_attention", ops.mla_impl(q_nope, ckv.shape[1], impl), str(self.dtype).removeprefix("torch."),
                           self.dev.type, MlaShape(batch, budget, context, q_nope.shape[2], c.kv_lora + c.rope_dim),
                           t, nbytes, flops, tp=tp)
 

@@ -50,13 +50,17 @@ class Config(NamedTuple):
 
 # Configs keyed by CUDA capability; None is the default (other GPUs and the CPU interpreter). Each
 # entry maps a row class to its Config: "small" when a sequence has at most 16 query rows (decode
-# at TP-8), "rows" otherwise. The sm_90 "rows" pick is the fastest kernel at all but three shapes
-# timed, latency-bound ones of a few microseconds (kernels/NOTES.md section 2); the "small" configs
-# are checked on the GPU but not yet timed.
+# at TP-8), "short" when it has more over a cache of at most SHORT_ROWS[capability] rows (a
+# capability without that entry has no short class), "rows" otherwise. The sm_90 "rows" pick is the
+# fastest kernel from 4k context up (kernels/NOTES.md section 2); the "small" configs are checked on
+# the GPU but not yet timed.
 CONFIGS: dict[tuple[int, int] | None, dict[str, Config]] = {
     (9, 0): {"rows": Config("gluon_ws", 64, 64, 4, 1), "small": Config("triton", 16, 64, 4, 3)},
     None: {"rows": Config("triton", 64, 64, 8, 2), "small": Config("triton", 16, 64, 4, 2)},
 }
+# Cache rows (the capacity, which the host knows without a sync; each sequence's context is on the
+# GPU) up to which a capability's "short" config runs instead of its "rows" one.
+SHORT_ROWS: dict[tuple[int, int], int] = {}
 
 
 class PlanCosts(NamedTuple):
@@ -183,13 +187,21 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
-def pick_config(cap: tuple[int, int] | None, rows: int, dtype: torch.dtype) -> Config:
-    """The Config for a sequence of `rows` query rows on a device of capability `cap` (the default
-    where a table entry's kernel cannot run these inputs): the one choice both the launch and the
-    kernels table's impl column (kernels.ops.mla_impl) read."""
-    cls = "small" if rows <= 16 else "rows"
-    cfg = CONFIGS.get(cap, CONFIGS[None])[cls]
-    return cfg if cfg.kernel == "triton" or gluon_runs(cap, dtype) else CONFIGS[None][cls]
+def pick_config(cap: tuple[int, int] | None, rows: int, dtype: torch.dtype, cache_rows: int) -> Config:
+    """The Config for a sequence of `rows` query rows over a cache of `cache_rows` rows on a device of
+    capability `cap` (the default where a table entry's kernel cannot run these inputs): the one
+    choice both the launch and the kernels table's impl column (kernels.ops.mla_impl) read."""
+    table = CONFIGS.get(cap, CONFIGS[None])
+    if rows <= 16:
+        cls = "small"
+    elif cap in SHORT_ROWS and cache_rows <= SHORT_ROWS[cap]:
+        cls = "short"
+    else:
+        cls = "rows"
+    cfg = table[cls]
+    if cfg.kernel == "triton" or gluon_runs(cap, dtype):
+        return cfg
+    return CONFIGS[None]["small" if cls == "small" else "rows"]
 
 
 def gluon_runs(cap: tuple[int, int] | None, dtype: torch.dtype) -> bool:
@@ -264,7 +276,7 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
     if not causal and tree_mask is None:
         raise ValueError("mla_tree_attention: a tree mask is needed unless causal=True")
     rows, cap = t * hh, capability(q_nope.device)
-    cfg = config or pick_config(cap, rows, q_nope.dtype)
+    cfg = config or pick_config(cap, rows, q_nope.dtype, s)
     kernel = rows_kernel(cfg, cap, q_nope.dtype)
     tiles = triton.cdiv(rows, cfg.bm)
     if splits is None:

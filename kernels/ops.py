@@ -78,14 +78,15 @@ def moe_w4a16(x: Tensor, w13_q: Tensor, w13_s: Tensor, w2_q: Tensor, w2_s: Tenso
     return fn(x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights)
 
 
-def mla_impl(q_nope: Tensor, impl: Impl = "auto") -> str:
-    """The MLA kernel `impl` runs on these queries [Bt, T, H, DL]: "gluon_ws", "gluon" or "triton" (the
-    tile config kernels.mla_tree_attention picks for T x H rows on this device), or "torch"."""
+def mla_impl(q_nope: Tensor, cache_rows: int, impl: Impl = "auto") -> str:
+    """The MLA kernel `impl` runs on these queries [Bt, T, H, DL] over a cache of `cache_rows` rows a
+    sequence: "gluon_ws", "gluon" or "triton" (the tile config kernels.mla_tree_attention picks for
+    T x H rows on this device), or "torch"."""
     if kernel_impl(impl, "mla_tree_attention", q_nope) == "torch":
         return "torch"
     mod = kernel_module("mla_tree_attention")
     _, t, hh, _ = q_nope.shape
-    return mod.pick_config(mod.capability(q_nope.device), t * hh, q_nope.dtype).kernel
+    return mod.pick_config(mod.capability(q_nope.device), t * hh, q_nope.dtype, cache_rows).kernel
 
 
 def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor, ctx_lens: Tensor,
@@ -94,7 +95,7 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
     """Absorbed MLA for T tree tokens over each sequence's prefix plus their tree ancestors; with
     causal=True the T tokens are a chunk of prompt (token t sees the prefix and chunk tokens <= t)
     and tree_mask may be None."""
-    fn = reference.mla_tree_attention if mla_impl(q_nope, impl) == "torch" else \
+    fn = reference.mla_tree_attention if mla_impl(q_nope, ckv.shape[1], impl) == "torch" else \
         kernel_module("mla_tree_attention").mla_tree_attention
     return fn(q_nope, q_rope, ckv, kpe, ctx_lens, tree_mask, sm_scale, causal=causal)
 

@@ -344,15 +344,22 @@ def test_mla_impl_names_the_kernel_the_dispatch_runs(monkeypatch: pytest.MonkeyP
     from kernels import mla_tree_attention, ops
 
     q = torch.zeros(1, 5, 4, 64, dtype=torch.bfloat16)  # 20 query rows: the "rows" class
-    assert ops.mla_impl(q) == "torch"  # CPU tensors: the reference
-    assert ops.mla_impl(q, "torch") == "torch"
-    assert ops.mla_impl(q, "triton") == "triton"  # the interpreter: the default table
+    assert ops.mla_impl(q, 64) == "torch"  # CPU tensors: the reference
+    assert ops.mla_impl(q, 64, "torch") == "torch"
+    assert ops.mla_impl(q, 64, "triton") == "triton"  # the interpreter: the default table
     monkeypatch.setattr(mla_tree_attention, "capability", lambda device: (9, 0))
-    assert ops.mla_impl(q, "triton") == "gluon_ws"
-    assert ops.mla_impl(q[:, :4], "triton") == "triton"  # 16 rows: the small-row config
-    assert ops.mla_impl(q.half(), "triton") == "triton"  # Gluon takes bf16 only
+    assert ops.mla_impl(q, 64, "triton") == "gluon_ws"
+    assert ops.mla_impl(q[:, :4], 64, "triton") == "triton"  # 16 rows: the small-row config
+    assert ops.mla_impl(q.half(), 64, "triton") == "triton"  # Gluon takes bf16 only
     monkeypatch.setattr(mla_tree_attention, "capability", lambda device: (12, 0))
-    assert ops.mla_impl(q, "triton") == "triton"
+    assert ops.mla_impl(q, 64, "triton") == "triton"
+    monkeypatch.setattr(mla_tree_attention, "capability", lambda device: (9, 0))
+    monkeypatch.setitem(mla_tree_attention.SHORT_ROWS, (9, 0), 1024)
+    monkeypatch.setitem(mla_tree_attention.CONFIGS[(9, 0)], "short", mla_tree_attention.Config("gluon", 64, 64, 8, 1))
+    assert ops.mla_impl(q, 1024, "triton") == "gluon"  # a cache at the short threshold: the short config
+    assert ops.mla_impl(q, 1025, "triton") == "gluon_ws"
+    assert ops.mla_impl(q[:, :4], 64, "triton") == "triton"  # 16 rows stay the small class at any cache
+    assert ops.mla_impl(q.half(), 64, "triton") == "triton"  # a short Gluon pick falls back off bf16
     monkeypatch.setattr(mla_tree_attention, "mla_gluon", None)  # a Triton without Gluon
     monkeypatch.setattr(mla_tree_attention, "capability", lambda device: (9, 0))
-    assert ops.mla_impl(q, "triton") == "triton"
+    assert ops.mla_impl(q, 64, "triton") == "triton"
