@@ -7,7 +7,7 @@ GPU), the all-True mask, plain decode, budget 1024, 128k context, contexts that 
 block, forced splits and the causal (chunked prefill) mode. Then the kernels `--kernels` names, timed
 with engine.timing's `time_op` (CUDA-graph replays, L2 evicted by a read before each, medians) at
 every shape of FlashMLA's comparison grid (`--grid short`: contexts 128-4096 instead, where
-mla_tree_attention.SHORT_ROWS picks), each on the same inputs, with the all-True mask so that the
+mla_tree_attention.SHORT_WORK picks), each on the same inputs, with the all-True mask so that the
 work is FlashMLA's; with `--flashmla CSV` (shared/data/mla-flashmla-h200.csv) each row carries
 FlashMLA's time beside ours, outside data that is never fitted on; with `--baseline FILE` (an older
 kernels/mla_verify.py, e.g. `git show 4a06ed9:kernels/mla_verify.py`) that kernel is timed too.
@@ -47,7 +47,7 @@ DL, DR = K2.kv_lora, K2.rope_dim
 SCALE = 1.0 / K2.qk_dim ** 0.5
 # FlashMLA's comparison grid: (heads, batch, budget, context)
 GRID = [(h, b, n, c) for h in (8, 64) for b in (1, 8, 16) for n in (16, 64, 256) for c in (4096, 16384, 32768, 65536)]
-# Below FlashMLA's grid: the contexts of the e2e suite's short prompts, where SHORT_ROWS picks
+# Below FlashMLA's grid: the contexts of the e2e suite's short prompts, where SHORT_WORK picks
 SHORT_GRID = [(h, b, n, c) for h in (8, 64) for b in (1, 4, 16) for n in (16, 64) for c in (128, 256, 512, 1024, 2048, 4096)]
 GRIDS = {"flashmla": GRID, "short": SHORT_GRID}
 # (heads, batch, T, contexts, mask, extra kwargs): mask "tree" (real DDTrees), "all" or "causal"
@@ -220,7 +220,7 @@ def sweep(out: Out) -> None:
     for shape in SPLIT_SHAPES:  # the table's pick at each split count
         heads, batch, budget, context = shape
         args = inputs(heads, batch, budget + 1, [context] * batch, "all")
-        cfg = mla_tree_attention.pick_config(mla_tree_attention.capability(DEVICE), (budget + 1) * heads, DTYPE,
+        cfg = mla_tree_attention.pick_config(mla_tree_attention.capability(DEVICE), DTYPE, batch, (budget + 1) * heads,
                                              context + budget + 1)
         tiles = batch * -(-(budget + 1) * heads // cfg.bm)
         planned, _ = mla_tree_attention.plan_splits(tiles, context + budget + 1, cfg.bn, mla_tree_attention.sm_count(DEVICE),
@@ -238,7 +238,7 @@ def plan_points(cap: tuple[int, int] | None, sms: int) -> list[PlanPoint]:
     points = []
     for heads, batch, budget, context in PLAN_SHAPES + [g for g in GRID if g not in PLAN_SHAPES]:
         t, s = budget + 1, context + budget + 1
-        cfg = mla_tree_attention.pick_config(cap, t * heads, DTYPE, s)
+        cfg = mla_tree_attention.pick_config(cap, DTYPE, batch, t * heads, s)
         tiles, costs = batch * -(-t * heads // cfg.bm), mla_tree_attention.PLAN_COSTS[cfg.kernel]
         if tiles >= PLAN_WAVES * sms:
             continue
@@ -254,7 +254,7 @@ def time_plans(out: Out) -> None:
     cap = mla_tree_attention.capability(DEVICE)
     for shape, tiles, plans, pick in plan_points(cap, mla_tree_attention.sm_count(DEVICE)):
         heads, batch, budget, context = shape
-        kernel = mla_tree_attention.pick_config(cap, (budget + 1) * heads, DTYPE, context + budget + 1).kernel
+        kernel = mla_tree_attention.pick_config(cap, DTYPE, batch, (budget + 1) * heads, context + budget + 1).kernel
         args = inputs(heads, batch, budget + 1, [context] * batch, "all")
         for n, per in plans:
             timed(out, "mla_plans", kernel, lambda n=n: mla_tree_attention.mla_tree_attention(*args, SCALE, splits=n),
@@ -320,7 +320,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernels", default="auto", help="comma list for the grid: auto (the table's pick), "
                     "triton, gluon, gluon_ws (each at its main config), baseline (--baseline's kernel); none: no grid")
     ap.add_argument("--grid", choices=sorted(GRIDS), default="flashmla", help="the shapes --kernels times: "
-                    "flashmla (FlashMLA's comparison grid, 4k-64k) or short (128-4096 context, where SHORT_ROWS picks)")
+                    "flashmla (FlashMLA's comparison grid, 4k-64k) or short (128-4096 context, where SHORT_WORK picks)")
     ap.add_argument("--check", default="auto", help="comma list of configs to check: auto, triton, gluon, gluon_ws; none")
     ap.add_argument("--sweep", action="store_true", help="also time tile configs and split counts")
     ap.add_argument("--plans", action="store_true", help="also time the split planner's pick beside a sweep of "

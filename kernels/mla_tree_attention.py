@@ -50,17 +50,21 @@ class Config(NamedTuple):
 
 # Configs keyed by CUDA capability; None is the default (other GPUs and the CPU interpreter). Each
 # entry maps a row class to its Config: "small" when a sequence has at most 16 query rows (decode
-# at TP-8), "short" when it has more over a cache of at most SHORT_ROWS[capability] rows (a
-# capability without that entry has no short class), "rows" otherwise. The sm_90 "rows" pick is the
-# fastest kernel from 4k context up (kernels/NOTES.md section 2); the "small" configs are checked on
-# the GPU but not yet timed.
+# at TP-8), "short" when it has more but the launch's work is at most SHORT_WORK[capability] (a
+# capability without that entry has no short class), "rows" otherwise. On sm_90 gluon_ws is the
+# fastest kernel where the work is larger and v5's lockstep kernel ("gluon") below: gluon_ws's
+# two-warpgroup pipeline costs a few microseconds more a launch (kernels/NOTES.md section 2, v9);
+# the "small" configs are checked on the GPU but not yet timed.
 CONFIGS: dict[tuple[int, int] | None, dict[str, Config]] = {
-    (9, 0): {"rows": Config("gluon_ws", 64, 64, 4, 1), "small": Config("triton", 16, 64, 4, 3)},
+    (9, 0): {"rows": Config("gluon_ws", 64, 64, 4, 1), "short": Config("gluon", 64, 64, 8, 1),
+             "small": Config("triton", 16, 64, 4, 3)},
     None: {"rows": Config("triton", 64, 64, 8, 2), "small": Config("triton", 16, 64, 4, 2)},
 }
-# Cache rows (the capacity, which the host knows without a sync; each sequence's context is on the
-# GPU) up to which a capability's "short" config runs instead of its "rows" one.
-SHORT_ROWS: dict[tuple[int, int], int] = {}
+# A launch's work in 64-row tiles x 64-key blocks: batch x tiles a sequence x blocks of the cache's
+# capacity (the host knows it without a sync; each sequence's context is on the GPU). Up to this
+# much, a capability runs its "short" config.
+SHORT_WORK: dict[tuple[int, int], int] = {(9, 0): 1024}
+WORK_TILE = 64
 
 
 class PlanCosts(NamedTuple):
@@ -187,14 +191,15 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
-def pick_config(cap: tuple[int, int] | None, rows: int, dtype: torch.dtype, cache_rows: int) -> Config:
-    """The Config for a sequence of `rows` query rows over a cache of `cache_rows` rows on a device of
-    capability `cap` (the default where a table entry's kernel cannot run these inputs): the one
-    choice both the launch and the kernels table's impl column (kernels.ops.mla_impl) read."""
+def pick_config(cap: tuple[int, int] | None, dtype: torch.dtype, batch: int, rows: int, cache_rows: int) -> Config:
+    """The Config for `batch` sequences of `rows` query rows over caches of `cache_rows` rows on a
+    device of capability `cap` (the default where a table entry's kernel cannot run these inputs):
+    the one choice both the launch and the kernels table's impl column (kernels.ops.mla_impl) read."""
     table = CONFIGS.get(cap, CONFIGS[None])
+    work = batch * triton.cdiv(rows, WORK_TILE) * triton.cdiv(cache_rows, WORK_TILE)
     if rows <= 16:
         cls = "small"
-    elif cap in SHORT_ROWS and cache_rows <= SHORT_ROWS[cap]:
+    elif cap in SHORT_WORK and work <= SHORT_WORK[cap]:
         cls = "short"
     else:
         cls = "rows"
@@ -276,7 +281,7 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
     if not causal and tree_mask is None:
         raise ValueError("mla_tree_attention: a tree mask is needed unless causal=True")
     rows, cap = t * hh, capability(q_nope.device)
-    cfg = config or pick_config(cap, rows, q_nope.dtype, s)
+    cfg = config or pick_config(cap, q_nope.dtype, bt, rows, s)
     kernel = rows_kernel(cfg, cap, q_nope.dtype)
     tiles = triton.cdiv(rows, cfg.bm)
     if splits is None:

@@ -85,8 +85,8 @@ def mla_impl(q_nope: Tensor, cache_rows: int, impl: Impl = "auto") -> str:
     if kernel_impl(impl, "mla_tree_attention", q_nope) == "torch":
         return "torch"
     mod = kernel_module("mla_tree_attention")
-    _, t, hh, _ = q_nope.shape
-    return mod.pick_config(mod.capability(q_nope.device), t * hh, q_nope.dtype, cache_rows).kernel
+    bt, t, hh, _ = q_nope.shape
+    return mod.pick_config(mod.capability(q_nope.device), q_nope.dtype, bt, t * hh, cache_rows).kernel
 
 
 def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor, ctx_lens: Tensor,

@@ -6,9 +6,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import bench_mla
-from kernels.mla_tree_attention import PLAN_COSTS, split_plan
+from kernels.mla_tree_attention import PLAN_COSTS, pick_config, split_plan
 
 SMS = 132
 
@@ -21,7 +22,8 @@ def test_plans_is_off_unless_asked() -> None:
 
 def test_plan_points_time_the_shipped_pick_among_the_planners_candidates() -> None:
     """v7's sweep shapes first, then every grid shape of under PLAN_WAVES waves of row tiles (no
-    planner splits more than that); each plan once, in whole pairs for gluon_ws, covering the cache."""
+    planner splits more than that); each plan once, in whole units of the picked kernel (pairs for
+    gluon_ws, single blocks for the short launches' gluon), covering the cache."""
     points = bench_mla.plan_points((9, 0), SMS)
     shapes = [p[0] for p in points]
     assert shapes[:len(bench_mla.PLAN_SHAPES)] == bench_mla.PLAN_SHAPES and len(set(shapes)) == len(shapes)
@@ -29,10 +31,12 @@ def test_plan_points_time_the_shipped_pick_among_the_planners_candidates() -> No
     assert PLAN_COSTS["gluon_ws"].unit == 2
     for (heads, batch, budget, context), tiles, plans, pick in points:
         blocks = -(-(context + budget + 1) // 64)
+        kernel = pick_config((9, 0), torch.bfloat16, batch, (budget + 1) * heads, context + budget + 1).kernel
+        unit = PLAN_COSTS[kernel].unit
         assert tiles < bench_mla.PLAN_WAVES * SMS and pick in plans and len(set(plans)) == len(plans)
         for n, per in plans:  # a forced count of n runs this very plan
-            assert per % 2 == 0 and (n - 1) * per < blocks <= n * per, (heads, batch, budget, context, n, per)
-            assert split_plan(blocks, n, 2) == (n, per)
+            assert per % unit == 0 and (n - 1) * per < blocks <= n * per, (heads, batch, budget, context, n, per)
+            assert split_plan(blocks, n, unit) == (n, per)
     by = {p[0]: p[2] for p in points}
     assert {(1, 66), (2, 34), (3, 22)} <= set(by[(64, 8, 16, 4096)])  # v7's 2-split surprise and both plans
 

@@ -339,8 +339,9 @@ def test_auto_dispatch_is_the_reference_on_cpu() -> None:
 
 def test_mla_impl_names_the_kernel_the_dispatch_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The impl column of an MLA point names the Gluon kernel where the launch runs it: ops.mla_impl
-    reads the tile config the launch reads (on an sm_90 device with bf16 queries over 16 rows), and
-    "triton" where that config is the tl.dot kernel's (16 rows or fewer, fp16, another GPU)."""
+    reads the tile config the launch reads (on an sm_90 device with bf16 queries over 16 rows: v5's
+    "gluon" up to SHORT_WORK tiles x key blocks a launch, "gluon_ws" above), and "triton" where that
+    config is the tl.dot kernel's (16 rows or fewer, fp16, another GPU)."""
     from kernels import mla_tree_attention, ops
 
     q = torch.zeros(1, 5, 4, 64, dtype=torch.bfloat16)  # 20 query rows: the "rows" class
@@ -348,18 +349,21 @@ def test_mla_impl_names_the_kernel_the_dispatch_runs(monkeypatch: pytest.MonkeyP
     assert ops.mla_impl(q, 64, "torch") == "torch"
     assert ops.mla_impl(q, 64, "triton") == "triton"  # the interpreter: the default table
     monkeypatch.setattr(mla_tree_attention, "capability", lambda device: (9, 0))
-    assert ops.mla_impl(q, 64, "triton") == "gluon_ws"
+    assert ops.mla_impl(q, 64 * 1025, "triton") == "gluon_ws"  # 1 x 1 x 1025: over SHORT_WORK
+    assert ops.mla_impl(q, 64, "triton") == "gluon"  # a small launch: the short config
     assert ops.mla_impl(q[:, :4], 64, "triton") == "triton"  # 16 rows: the small-row config
     assert ops.mla_impl(q.half(), 64, "triton") == "triton"  # Gluon takes bf16 only
     monkeypatch.setattr(mla_tree_attention, "capability", lambda device: (12, 0))
     assert ops.mla_impl(q, 64, "triton") == "triton"
     monkeypatch.setattr(mla_tree_attention, "capability", lambda device: (9, 0))
-    monkeypatch.setitem(mla_tree_attention.SHORT_ROWS, (9, 0), 1024)
-    monkeypatch.setitem(mla_tree_attention.CONFIGS[(9, 0)], "short", mla_tree_attention.Config("gluon", 64, 64, 8, 1))
-    assert ops.mla_impl(q, 1024, "triton") == "gluon"  # a cache at the short threshold: the short config
-    assert ops.mla_impl(q, 1025, "triton") == "gluon_ws"
-    assert ops.mla_impl(q[:, :4], 64, "triton") == "triton"  # 16 rows stay the small class at any cache
-    assert ops.mla_impl(q.half(), 64, "triton") == "triton"  # a short Gluon pick falls back off bf16
+    monkeypatch.setitem(mla_tree_attention.SHORT_WORK, (9, 0), 4)  # work: batch x row tiles x key blocks
+    assert ops.mla_impl(q, 4 * 64, "triton") == "gluon"  # 1 x 1 x 4: the short config
+    assert ops.mla_impl(q, 4 * 64 + 1, "triton") == "gluon_ws"  # 1 x 1 x 5
+    assert ops.mla_impl(q.expand(2, -1, -1, -1), 2 * 64, "triton") == "gluon"  # 2 x 1 x 2
+    assert ops.mla_impl(q.expand(2, -1, -1, -1), 3 * 64, "triton") == "gluon_ws"  # 2 x 1 x 3
+    wide = torch.zeros(1, 5, 16, 64, dtype=torch.bfloat16)  # 80 rows: 2 row tiles
+    assert ops.mla_impl(wide, 2 * 64, "triton") == "gluon"  # 1 x 2 x 2
+    assert ops.mla_impl(wide, 3 * 64, "triton") == "gluon_ws"  # 1 x 2 x 3
     monkeypatch.setattr(mla_tree_attention, "mla_gluon", None)  # a Triton without Gluon
     monkeypatch.setattr(mla_tree_attention, "capability", lambda device: (9, 0))
     assert ops.mla_impl(q, 64, "triton") == "triton"
