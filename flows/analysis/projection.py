@@ -32,7 +32,7 @@ from flows.analysis.assumptions import (Assumption, BandEvidence, Comm, E2eNotMe
                                         KernelModels, ReferenceCeilings, SkippedPoint, StepModel, TargetCeilings,
                                         TensorParallel, TpCarry, parse, record)
 from flows.analysis.bands import MIN_POINTS, Band, combine, from_reference, holding, reached, step_band
-from flows.analysis.carrier import Side, how, others
+from flows.analysis.carrier import how, others
 from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError,
                                      Tables, allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
 from flows.analysis.families import (COMPUTE, HOST, HOST_SIDE, LATENCY, LATENCY_SHARE, MEMORY, bound, e2e_key,
@@ -373,7 +373,7 @@ def assumption_records(ref: Machine, target: Machine, ref_run_id: str, p: _Parts
     """What the projection assumed, as typed records; the notes word them."""
     ref_c, tgt_c, cal = p.model.ref_c, p.model.tgt_c, p.model.cal
     dt = DTYPE_KEYS.get(ref_c.mm_dtype, ref_c.mm_dtype)
-    sides = Side.of(ref.spec, 1.0, 1.0), Side.of(target.spec, 1.0, 1.0)
+    sides = p.model.sides
     recs: list[Assumption] = [
         ReferenceCeilings(ref.name, ref_run_id, ref.spec.gpu, ref_c.gbps, ref_c.bw_frac, ref.spec.mem_bw_gbps,
                           ref_c.tflops(), ref_c.fl_frac, peak_tflops(ref.spec, ref_c.mm_dtype), dt),

@@ -144,12 +144,17 @@ class Model:
         return Carry(Side.of(self.ref.spec, *self.ref_c.of(dtype)), Side.of(self.target.spec, *self.tgt_c.of(dtype)),
                      self.form)
 
+    @property
+    def sides(self) -> tuple[Side, Side]:
+        """The reference's and the target's spec sheets as the carrier reads them, ceilings aside: which
+        carrier forms apply (carrier.how, carrier.others) depends on these alone."""
+        return Side.of(self.ref.spec, 1.0, 1.0), Side.of(self.target.spec, 1.0, 1.0)
+
     def others(self) -> tuple["Model", ...]:
         """The same model under each other candidate carrier whose figure a band must hold (carrier.others)."""
         if not self.cross_host:
             return ()
-        return tuple(replace(self, form=f) for f in others(Side.of(self.ref.spec, 1.0, 1.0),
-                                                           Side.of(self.target.spec, 1.0, 1.0)))
+        return tuple(replace(self, form=f) for f in others(*self.sides))
 
 
 def config_of(row: E2ERow) -> ModelConfig:
@@ -341,7 +346,7 @@ def build(tables: Tables, ref: Machine, target: Machine, rows: Sequence[E2ERow] 
               tuple(rows_of(tables, "comm")), Calibration({}, (), (), 0.0, 0.0, 0, False, ()),
               tables["runs"].column(COLUMNS.run_id)[0].as_py())
     notes = []
-    if m.cross_host and how(Side.of(ref.spec, 1.0, 1.0), Side.of(target.spec, 1.0, 1.0)) == SHARE:
+    if m.cross_host and how(*m.sides) == SHARE:
         notes.append("kernel bandwidth carried as a share of the copy ceiling (a spec sheet lacks the SM count)")
     return replace(m, cal=calibrate(m, e2e), notes=tuple(notes))
 
