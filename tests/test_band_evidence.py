@@ -28,7 +28,7 @@ from flows.notes.sections.projected import assumption_text, band_caveat, project
 from flows.store.store import Store
 from support.runs import evidence, write_run
 
-N = 8
+N = 12   # held-out points of each carry: above bands.MIN_GROUPS, so each band is its own
 
 
 def _cross(reference: str, target: str, family: str, regime: str, spread: float,
