@@ -219,3 +219,24 @@ def test_a_thin_backtest_s_bands_pool_its_kind_and_regime_of_the_same_data_only(
     got, other = judged([thin, wide])
     assert got.pooled == 8 and got.unknown == 0 and got.in_band == 1.0 and got.half_width > 0.1
     assert other.pooled == 0 and other.in_band is not None
+
+
+def test_a_size_row_says_how_much_of_the_time_its_compute_rate_was_fitted_on() -> None:
+    """Time = 10 us + bytes / (1 GB/s) + flops / (1 TFLOP/s), bytes saturating and flops growing with M: at small M
+    the flop term is a sliver of each point's time, at large M most of it. The row says both shares, so a
+    reader sees when the held-out points rest on a rate the smaller sizes barely show."""
+    from flows.analysis.backtest import _flop_shares
+    from flows.analysis.kernelfit import fit_family
+
+    def pt(m: int) -> KernelRow:
+        nbytes, flops = 1e5 * min(m, 64), 1e6 * m
+        return KernelRow(kernel="moe_w4a16", impl="triton", dtype="bfloat16", M=m, tp=1, source="measured",
+                         bytes=nbytes, flops=flops, time_us_p50=10 + nbytes / 1e3 + flops / 1e6)
+
+    calib, held = [pt(m) for m in (1, 4, 16, 64, 128)], [pt(m) for m in (1024, 4096)]
+    model = fit_family("moe_w4a16", calib, 1.0, 1.0)
+    share = model.flop_share((1,), 1e5 * 64, 1e6 * 4096)
+    assert share == pytest.approx(4096 / (10 + 6400 + 4096), rel=1e-3)
+    seen, asked = _flop_shares(model, calib, held)
+    assert seen == pytest.approx(128 / (10 + 6400 + 128), rel=1e-3) and asked == pytest.approx(share, rel=1e-3)
+    assert _flop_shares(None, calib, held) == (None, None)

@@ -13,7 +13,8 @@ its coverage is the share of points inside, its width the median half-width.
 - depth: the full-depth step from a straight line through the shallower depths of the same point;
 - size: a family's largest sizes from its smaller ones (MoE M >= 256 from M < 256, context 64k and
   up from less, tree budget 1024 from less, dense GEMM M >= 256 from less), its kernel model fitted on the
-  smaller ones alone;
+  smaller ones alone; the row says how much of the fitted time the flop term is on each side (a compute
+  rate fitted where its term barely shows is not identified there: the MoE's at M < 256);
 - tp: the TP-N kernel shards from the full shapes, and the TP-N rank step from the step model
   calibrated on the TP-1 rows (with the measured shard-shape kernels);
 - cross-host: every measured host from every other one, and outside figures where they match, per kernel
@@ -234,10 +235,25 @@ def size(data: Dataset) -> list[BacktestRow]:
                 regimes.append(regime(h, *ceil.of(h.dtype)))
         reg = statistics.mode(regimes) if regimes else regime(pts[0], *ceil.of(pts[0].dtype))
         detail = (f"{axis} >= {cut} from {axis} < {cut}: the family's kernel model (latency + bytes / bandwidth + "
-                  "flops / compute, fitted on the smaller sizes) times the nearest calibrated point's residual")
+                  "flops / compute, fitted on the smaller sizes) times the nearest calibrated point's residual"
+                  + "".join(f"; {fam_label} on {data.name}: its flop term is at most {seen:.0%} of a smaller size's fitted "
+                            f"time and up to {asked:.0%} of a held-out one's"
+                            for seen, asked in [_flop_shares(model, calib, held)] if seen is not None))
         out.append(summarise("size", data.name, data.name, fam_label, reg, pairs,
                              detail if pairs else f"no points at {axis} >= {cut} with smaller ones of the same shape"))
     return out
+
+
+def _flop_shares(model: Any, calib: Sequence[KernelRow], held: Sequence[KernelRow]) -> tuple[float | None, float | None]:
+    """The largest share of the fitted time that is the flop term, on the smaller sizes and on the held-out
+    ones: a compute rate fitted where its term barely shows is not identified by them, so a held-out point
+    where the term is large rests on a guessed rate."""
+    def most(pts: Sequence[KernelRow]) -> float | None:
+        got = [model.flop_share(class_key(p), p.bytes, p.flops) for p in pts] if model else []
+        return max((g for g in got if g is not None), default=None)
+
+    seen, asked = most(calib), most(held)
+    return (seen, asked) if seen is not None and asked is not None else (None, None)
 
 
 def trend(prev: list[KernelRow], to: KernelRow, axis: str) -> tuple[float, float, float]:
