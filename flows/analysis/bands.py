@@ -115,11 +115,16 @@ def evidence_of(rows: Sequence[object], carry: str, stratum: str = "", pool: boo
     kind, prefixes = EVIDENCE[carry]
     mine = [r for r in rows if getattr(r, "kind") == kind and str(getattr(r, "family")).startswith(prefixes)]
     regimes = {getattr(r, "regime") for r in mine}
-    picked = [r for r in rows if getattr(r, "kind") == kind and getattr(r, "regime") in regimes
-              and not str(getattr(r, "family")).startswith(prefixes)] if pool else mine
+    return evidence_in([r for r in rows if getattr(r, "kind") == kind and getattr(r, "regime") in regimes
+                        and not str(getattr(r, "family")).startswith(prefixes)] if pool else mine, stratum)
+
+
+def evidence_in(rows: Sequence[object], stratum: str = "") -> Evidence:
+    """The held-out ratios of time of stored backtest rows in one stratum, with the group of each (a row
+    without groups: each point its own)."""
     ratios: list[float] = []
     groups: list[str] = []
-    for r in picked:
+    for r in rows:
         got = tuple(getattr(r, "ratios", ()) or ())
         if str(getattr(r, "family")).startswith(RATES):
             got = tuple(1 / x for x in got)

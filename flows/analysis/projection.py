@@ -31,7 +31,7 @@ from engine.table_files import to_table
 from flows.analysis.assumptions import (Assumption, BandEvidence, Comm, E2eNotMeasured, E2eWithoutSplit, Kept,
                                         KernelModels, ReferenceCeilings, SkippedPoint, StepModel, TargetCeilings,
                                         TensorParallel, TpCarry, parse, record)
-from flows.analysis.bands import MIN_GROUPS, Band, Evidence, combine, from_reference, holding, reached, step_band
+from flows.analysis.bands import MIN_GROUPS, Band, combine, evidence_in, from_reference, holding, reached, step_band
 from flows.analysis.carrier import Side, how, others
 from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError,
                                      Tables, allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
@@ -137,11 +137,6 @@ def _spread(row: KernelRow) -> float:
     return (hi - lo) / 2 / row.time_us_p50 if lo and hi else 0.0
 
 
-def _evidence(rows: Sequence[Any]) -> Evidence:
-    """The held-out ratios and groups of stored backtest rows, together."""
-    return tuple(x for e in rows for x in e.ratios), tuple(g for e in rows for g in e.groups)
-
-
 def measured_band(row: KernelRow) -> Band:
     """The point's own p10 and p90 over its median: the band of a figure carried to the machine it
     was measured on (multipliers, so a spread wider than the median never makes a time negative)."""
@@ -173,8 +168,8 @@ def project_kernels(rows: list[KernelRow], model: Model, evidence: Sequence[Any]
             if model.cross_host:
                 same = [e for e in evidence if e.kind == "cross-host" and e.regime == reg]
                 own = [e for e in same if e.family.startswith(label(r))]
-                band = combine({f"cross-host {label(r)} {reg}": (_evidence(own), 1.0,
-                                                                  _evidence([e for e in same if e not in own]))},
+                band = combine({f"cross-host {label(r)} {reg}": (evidence_in(own), 1.0,
+                                                                  evidence_in([e for e in same if e not in own]))},
                                _spread(r))
                 band = holding(band, [alt[0].value / t for m in model.others()
                                       for alt in [fam.time_us(class_key(r), shape_of(r), r.bytes, r.flops, m.carry)]
