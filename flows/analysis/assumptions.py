@@ -153,6 +153,7 @@ class BandEvidence:
     min_groups: int = 9   # the fewest held-out groups a carry's own band needs (flows.analysis.bands)
     evidence_gbps: dict[str, float] = field(default_factory=dict)
     target_gbps: float | None = None
+    pooled: list[str] = field(default_factory=list)   # the carries whose band was pooled over their kind and regime
 
 
 @dataclass(frozen=True)
