@@ -105,6 +105,7 @@ def pooled_edges(own: Evidence, pool: Evidence) -> tuple[tuple[float, float], bo
 
 
 def groups_in(ev: Evidence) -> int:
+    """How many pieces of evidence (configurations) the held-out points are."""
     return len(set(ev[1]))
 
 
