@@ -186,3 +186,57 @@ def test_the_cli_table_prints_cells_as_written(store: Store, inv: Inventory) -> 
     assert f"{pair.reference} -> {pair.target}" in res.output and "\\" not in res.output
     text = emit([{"a": "[red]x[/red]"}], Format.table, cells=[["[red]x[/red]"]], header=["a"])
     assert "[red]x[/red]" in text
+
+
+def test_a_target_s_acceptance_levels_are_one_piece_of_cross_host_evidence() -> None:
+    """Cross-host e2e points group by configuration as composition's do: three acceptance levels of one
+    (tp, C, B, context, depth) share a group, so they never count as three configurations in a band."""
+    from flows.analysis import backtest as bt
+
+    rows = [{"source": "measured", "status": "ok", "step_ms_p50": 10.0, "config": "k2", "layers": 61, "tp": 8,
+             "concurrency": 1, "budget": 16, "context": 300, "synthetic_accept": a, "tokens_per_s": 100.0 + a}
+            for a in (0.8, 0.85, 0.9)]
+    tgt = bt.Dataset("h100", None, "t", {"e2e": pa.Table.from_pylist(rows)})
+    proj = {"e2e": pa.Table.from_pylist(rows)}
+    pairs = bt._e2e_pairs(tgt, tgt, None, proj, relax_impl=False)
+    assert len(pairs) == 3 and len({g for _, _, g in pairs}) == 1
+
+
+def test_a_thin_backtest_s_bands_pool_its_kind_and_regime_of_the_same_data_only() -> None:
+    """Eight held-out points are too few for a band of their own (flows.analysis.bands.MIN_GROUPS): each
+    point's band is pooled with the other families of the same kind, data and regime, counted as pooled;
+    another regime's or another target's rows never join, and a row with enough points never pools."""
+    from flows.analysis.backtest import judged
+
+    def row(fam: str, n: int, spread: float, regime: str = "latency", target: str = "h200") -> BacktestRow:
+        ratios = tuple(1 + spread * (2 * i / (n - 1) - 1) for i in range(n))
+        return BacktestRow("cross-host", "h100", target, fam, regime, n, ratios=ratios,
+                           groups=tuple(f"{fam}:{i}" for i in range(n)))
+
+    thin, wide = row("build_tree/triton", 8, 0.02), row("tree_accept/triton", 12, 0.2)
+    alone = judged([thin, row("x/y", 30, 0.2, regime="memory"), row("x/y", 30, 0.2, target="b300")])[0]
+    assert alone.in_band is None and alone.unknown == 8 and alone.pooled == 0
+    got, other = judged([thin, wide])
+    assert got.pooled == 8 and got.unknown == 0 and got.in_band == 1.0 and got.half_width > 0.1
+    assert other.pooled == 0 and other.in_band is not None
+
+
+def test_a_size_row_says_how_much_of_the_time_its_compute_rate_was_fitted_on() -> None:
+    """Time = 10 us + bytes / (1 GB/s) + flops / (1 TFLOP/s), bytes saturating and flops growing with M: at small M
+    the flop term is a sliver of each point's time, at large M most of it. The row says both shares, so a
+    reader sees when the held-out points rest on a rate the smaller sizes barely show."""
+    from flows.analysis.backtest import _flop_shares
+    from flows.analysis.kernelfit import fit_family
+
+    def pt(m: int) -> KernelRow:
+        nbytes, flops = 1e5 * min(m, 64), 1e6 * m
+        return KernelRow(kernel="moe_w4a16", impl="triton", dtype="bfloat16", M=m, tp=1, source="measured",
+                         bytes=nbytes, flops=flops, time_us_p50=10 + nbytes / 1e3 + flops / 1e6)
+
+    calib, held = [pt(m) for m in (1, 4, 16, 64, 128)], [pt(m) for m in (1024, 4096)]
+    model = fit_family("moe_w4a16", calib, 1.0, 1.0)
+    share = model.flop_share((1,), 1e5 * 64, 1e6 * 4096)
+    assert share == pytest.approx(4096 / (10 + 6400 + 4096), rel=1e-3)
+    seen, asked = _flop_shares(model, calib, held)
+    assert seen == pytest.approx(128 / (10 + 6400 + 128), rel=1e-3) and asked == pytest.approx(share, rel=1e-3)
+    assert _flop_shares(None, calib, held) == (None, None)

@@ -28,7 +28,7 @@ from flows.notes.sections.projected import assumption_text, band_caveat, project
 from flows.store.store import Store
 from support.runs import evidence, write_run
 
-N = 8
+N = 12   # held-out points of each carry: above bands.MIN_GROUPS, so each band is its own
 
 
 def _cross(reference: str, target: str, family: str, regime: str, spread: float,
@@ -133,7 +133,7 @@ def test_a_band_holds_what_the_other_carriers_give_where_no_latency_settles_the_
 def test_holding_widens_a_known_band_and_leaves_an_unknown_one() -> None:
     assert holding(Band(0.9, 1.1), [0.7, 1.05, 1.3]) == Band(0.7, 1.3)
     assert holding(Band(0.9, 1.1), []) == Band(0.9, 1.1)
-    unknown = Band(None, None, ("cross-host (2 held-out points)",))
+    unknown = Band(None, None, ("cross-host (2 held-out groups)",))
     assert holding(unknown, [0.5]) == unknown
 
 
@@ -185,3 +185,24 @@ def test_the_projection_names_its_carrier_and_the_others_its_bands_hold() -> Non
                          "and a fixed share of the copy ceiling give")
     older = assumption_text(KernelModels(["moe_w4a16"], [132, 160]))   # a record stored before the form was
     assert "by Little's law" in older and "also holds" not in older
+
+
+def test_a_thin_kernel_carry_is_pooled_with_its_regime_and_the_page_says_so(store: Store, inv: Inventory) -> None:
+    """Three held-out MoE memory-bound points are too few for a band of their own: with another family's
+    memory-bound carries from the same reference beside them the MoE's bands are pooled, known and named in
+    the projection's band record; with nothing beside them they are unknown."""
+    ref = load_reference(store, inv, "h200")
+    b300 = Machine("b300", inv.specs["b300-sxm"], 8, "nvlink")
+    thin = [dataclasses.replace(r, ratios=r.ratios[:3], groups=r.groups[:3], points=3)
+            if (r.kind, r.family, r.regime) == ("cross-host", "moe_w4a16/triton", "memory") else r for r in _own()]
+    moe = lambda t: [k for k in table_rows(t["kernels"], "kernels")  # noqa: E731
+                     if k.kernel == "moe_w4a16" and k.impl == "triton" and k.regime == "memory"]
+    alone = project(ref.tables, ref.machine, b300, evidence=thin)
+    assert moe(alone) and all(k.time_us_low is None for k in moe(alone))
+    rich = project(ref.tables, ref.machine, b300, evidence=thin + [_cross("h200", "h100", "dense_gemm/torch", "memory",
+                                                                          0.004, 3350.0)])
+    assert all(k.time_us_low is not None for k in moe(rich))
+    [band] = [a for a in assumptions(rich) if isinstance(a, BandEvidence)]
+    assert "cross-host moe_w4a16/triton memory" in band.pooled
+    words = assumption_text(band)
+    assert "pooled here: " in words and "cross-host moe_w4a16/triton memory" in words.split("pooled here: ")[1]

@@ -47,7 +47,7 @@ def test_project_answers_a_grid_in_every_format(mini: Store) -> None:
                                               "comm")) == pytest.approx(1.0)
         assert "cross-host" in r["carries"] and r["largest"].endswith("of the step")
         # no backtest stored: no evidence, so the band is unknown and says why
-        assert r["tokens_per_s_low"] is None and r["band"].startswith("unknown: composition (0 held-out points)")
+        assert r["tokens_per_s_low"] is None and r["band"].startswith("unknown: composition (0 held-out groups)")
         assert "re-sharded" not in r["extrapolated"]
     assert "moe M" in rows[0]["interpolated"] or "moe M" in rows[0]["extrapolated"]
     res = _project(mini, *grid, "--format", "csv")

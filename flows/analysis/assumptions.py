@@ -150,9 +150,10 @@ class BandEvidence:
 
     WHAT: ClassVar[str] = "band"
     references: list[str]
-    min_points: int = 5
+    min_groups: int = 9   # the fewest held-out groups a carry's own band needs (flows.analysis.bands)
     evidence_gbps: dict[str, float] = field(default_factory=dict)
     target_gbps: float | None = None
+    pooled: list[str] = field(default_factory=list)   # the carries whose band was pooled over their kind and regime
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 Each backtest predicts measured points from other measured points and reports, per kernel family
 and for e2e, the median and worst error (projected / measured - 1), the held-out ratios measured /
 projected (the evidence flows.analysis.bands builds every projected figure's band from), and how a band from
-that evidence does on the points themselves: each point's band comes from the other points' ratios
-only (other configurations, for e2e rows: the acceptance levels of one configuration are one group),
+that evidence does on the points themselves (`judged`, by the bands' own rule): each point's band comes from
+the other configurations' ratios only (for e2e rows the acceptance levels of one configuration are one group,
+in every backtest), pooled over the rows of the same kind, data and regime where the row's own are too few;
 its coverage is the share of points inside, its width the median half-width.
 
 - composition: each e2e step from the step model (flows.analysis.stepmodel) calibrated on the other
@@ -12,7 +13,8 @@ its coverage is the share of points inside, its width the median half-width.
 - depth: the full-depth step from a straight line through the shallower depths of the same point;
 - size: a family's largest sizes from its smaller ones (MoE M >= 256 from M < 256, context 64k and
   up from less, tree budget 1024 from less, dense GEMM M >= 256 from less), its kernel model fitted on the
-  smaller ones alone;
+  smaller ones alone; the row says how much of the fitted time the flop term is on each side (a compute
+  rate fitted where its term barely shows is not identified there: the MoE's at M < 256);
 - tp: the TP-N kernel shards from the full shapes, and the TP-N rank step from the step model
   calibrated on the TP-1 rows (with the measured shard-shape kernels);
 - cross-host: every measured host from every other one, and outside figures where they match, per kernel
@@ -34,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 from engine.rows import COLUMNS, E2ERow, KernelRow
 from engine.schema import CommSource
-from flows.analysis.bands import jackknife
+from flows.analysis.bands import Point, jackknife
 from flows.analysis.families import (POINT_KEY, SHAPES, SIZE_AXIS, e2e_key, host_side, label, point_key, preferred,
                                      regime, shape_of, tp_of)
 from flows.analysis.kernelfit import class_key, fit_family
@@ -66,6 +68,7 @@ class BacktestRow:
     median_abs_error: float | None = None  # the median of |error|: what the goals are on
     half_width: float | None = None     # median half-width of the bands, relative to the prediction
     unknown: int = 0                    # points whose band is unknown (too little other evidence)
+    pooled: int = 0                     # points whose band is pooled over the same kind and regime (bands)
     ratios: tuple[float, ...] = ()      # measured / projected of each point: a carry's evidence
     groups: tuple[str, ...] = ()        # the group of each point (one configuration's acceptance levels)
     strata: tuple[str, ...] = ()        # the stratum of each point's answer (flows.analysis.bands; empty: one)
@@ -96,27 +99,52 @@ Stratified = tuple[float, float, object, str]   # a pair and its answer's stratu
 
 def summarise(kind: str, ref: str, target: str, fam: str, reg: str, pairs: Sequence[Pair | Stratified],
               detail: str) -> BacktestRow:
+    """A backtest row of its points' errors and evidence; its bands come after, with its siblings' (`judged`)."""
     pairs = [p for p in pairs if p[0] and p[1]]
     if not pairs:
         return BacktestRow(kind, ref, target, fam, reg, 0, detail=detail)
     errs = [p[1] / p[0] - 1 for p in pairs]
-    ratios = [p[0] / p[1] for p in pairs]
     strata = tuple(p[3] if len(p) > 3 else "" for p in pairs)
-    bands = jackknife(ratios, [p[2] for p in pairs], strata)
-    known = [(r, b) for r, b in zip(ratios, bands) if b is not None]
-    inside = sum(lo * (1 - 1e-9) <= r <= hi * (1 + 1e-9) for r, (lo, hi) in known)
     return BacktestRow(kind, ref, target, fam, reg, len(errs), statistics.median(errs), max(errs, key=abs),
-                       inside / len(known) if known else None, detail, statistics.median(abs(e) for e in errs),
-                       statistics.median((hi - lo) / 2 for _, (lo, hi) in known) if known else None,
-                       len(bands) - len(known), tuple(ratios), tuple(str(p[2]) for p in pairs),
-                       strata if any(strata) else ())
+                       detail=detail, median_abs_error=statistics.median(abs(e) for e in errs),
+                       ratios=tuple(p[0] / p[1] for p in pairs), groups=tuple(str(p[2]) for p in pairs),
+                       strata=strata if any(strata) else ())
+
+
+def _points(row: BacktestRow) -> list[Point]:
+    return list(zip(row.ratios, row.groups, row.strata or ("",) * len(row.ratios)))
+
+
+def judged(rows: Sequence[BacktestRow]) -> list[BacktestRow]:
+    """Each row with how a band from evidence does on its points (flows.analysis.bands.jackknife): each point's
+    band from the other groups of its family, pooled with the rows of the same kind, data and regime where
+    those are too few; in band = the share of points with a band that hold, half-width its median."""
+    out = []
+    for r in rows:
+        if r.skipped:
+            out.append(r)
+            continue
+        pool = [p for o in rows if o is not r and (o.kind, o.reference, o.target, o.regime) ==
+                (r.kind, r.reference, r.target, r.regime) for p in _points(o)]
+        bands = jackknife(_points(r), pool)
+        known = [(x, b) for x, b in zip(r.ratios, bands) if b is not None]
+        inside = sum(lo * (1 - 1e-9) <= x <= hi * (1 + 1e-9) for x, (lo, hi, _) in known)
+        out.append(replace(r, in_band=inside / len(known) if known else None,
+                           half_width=statistics.median((hi - lo) / 2 for _, (lo, hi, _) in known) if known else None,
+                           unknown=len(bands) - len(known), pooled=sum(b[2] for _, b in known)))
+    return out
+
+
+def configuration(row: E2ERow) -> tuple:
+    """An e2e row's group: the acceptance levels of one (tp, C, B, context, depth) are one piece of evidence."""
+    return e2e_key(row, without=("synthetic_accept",))
 
 
 def _groups(rows: Sequence[E2ERow]) -> dict[tuple, list[E2ERow]]:
-    """e2e rows by configuration: the acceptance levels of one (tp, C, B, context, depth) are one group."""
+    """e2e rows by configuration."""
     out: dict[tuple, list[E2ERow]] = {}
     for r in rows:
-        out.setdefault(e2e_key(r, without=("synthetic_accept",)), []).append(r)
+        out.setdefault(configuration(r), []).append(r)
     return out
 
 
@@ -132,8 +160,7 @@ def composition(data: Dataset) -> list[BacktestRow]:
     split = all(r.moe_ms is not None for r in rows)
     pairs: dict[str, list[Stratified]] = {}
     for key, held in groups.items():
-        model = build(data.tables, data.machine, data.machine, [r for r in rows if e2e_key(
-            r, without=("synthetic_accept",)) != key])
+        model = build(data.tables, data.machine, data.machine, [r for r in rows if configuration(r) != key])
         for r in held:
             s = answer(model, query_of(r), config_of(r))
             pairs.setdefault("e2e step", []).append((r.step_ms_p50, s.step_ms, key, s.stratum))
@@ -208,10 +235,25 @@ def size(data: Dataset) -> list[BacktestRow]:
                 regimes.append(regime(h, *ceil.of(h.dtype)))
         reg = statistics.mode(regimes) if regimes else regime(pts[0], *ceil.of(pts[0].dtype))
         detail = (f"{axis} >= {cut} from {axis} < {cut}: the family's kernel model (latency + bytes / bandwidth + "
-                  "flops / compute, fitted on the smaller sizes) times the nearest calibrated point's residual")
+                  "flops / compute, fitted on the smaller sizes) times the nearest calibrated point's residual"
+                  + "".join(f"; {fam_label} on {data.name}: its flop term is at most {seen:.0%} of a smaller size's fitted "
+                            f"time and up to {asked:.0%} of a held-out one's"
+                            for seen, asked in [_flop_shares(model, calib, held)] if seen is not None))
         out.append(summarise("size", data.name, data.name, fam_label, reg, pairs,
                              detail if pairs else f"no points at {axis} >= {cut} with smaller ones of the same shape"))
     return out
+
+
+def _flop_shares(model: Any, calib: Sequence[KernelRow], held: Sequence[KernelRow]) -> tuple[float | None, float | None]:
+    """The largest share of the fitted time that is the flop term, on the smaller sizes and on the held-out
+    ones: a compute rate fitted where its term barely shows is not identified by them, so a held-out point
+    where the term is large rests on a guessed rate."""
+    def most(pts: Sequence[KernelRow]) -> float | None:
+        got = [model.flop_share(class_key(p), p.bytes, p.flops) for p in pts] if model else []
+        return max((g for g in got if g is not None), default=None)
+
+    seen, asked = most(calib), most(held)
+    return (seen, asked) if seen is not None and asked is not None else (None, None)
 
 
 def trend(prev: list[KernelRow], to: KernelRow, axis: str) -> tuple[float, float, float]:
@@ -256,7 +298,7 @@ def tensor_parallel(data: Dataset) -> list[BacktestRow]:
         rank, real = [], []
         for m in (r for r in e2e if tp_of(r) == n):
             s = answer(model, query_of(m), config_of(m))
-            key = e2e_key(m, without=("synthetic_accept",))
+            key = configuration(m)
             if m.comm_source == CommSource.MEASURED:   # a real N-GPU run: the whole step, comm included
                 real.append((m.step_ms_p50 + breakdown(m)[COLUMNS.comm_ms], s.step_ms + s.ms["comm"], key))
             else:                                    # one rank on one GPU: its compute, comm left out
@@ -360,7 +402,7 @@ def _at_comm_of(p: E2ERow, m: E2ERow) -> float:
 def _e2e_less_attention(tgt: Dataset, proj: dict) -> list[Pair]:
     """(measured, projected, group) step time less the attention term, of the target's rows with the split."""
     got = {e2e_key(e): e for e in rows_of(proj, "e2e")}
-    return [(m.step_ms_p50 - m.attention_ms, p.step_ms_p50 - p.attention_ms, e2e_key(m))
+    return [(m.step_ms_p50 - m.attention_ms, p.step_ms_p50 - p.attention_ms, configuration(m))
             for m in rows_of(tgt.tables, "e2e") if m.step_ms_p50 and m.attention_ms is not None
             for p in [got.get(e2e_key(m))] if p and p.attention_ms is not None]
 
@@ -369,7 +411,7 @@ def _e2e_pairs(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl:
     """(measured, projected, group) tokens/s of the target's e2e rows."""
     if not relax_impl:
         got = {e2e_key(e): e for e in rows_of(proj, "e2e")}
-        return [(m.tokens_per_s, _at_comm_of(p, m), e2e_key(m)) for m in rows_of(tgt.tables, "e2e")
+        return [(m.tokens_per_s, _at_comm_of(p, m), configuration(m)) for m in rows_of(tgt.tables, "e2e")
                 if m.tokens_per_s for p in [got.get(e2e_key(m))] if p]
     # an outside serving figure states no tree budget, acceptance or prompt length: the step model
     # answers it at the reference's budget and shortest prompts, at each acceptance the reference
@@ -385,7 +427,7 @@ def _e2e_pairs(ref: Dataset, tgt: Dataset, machine: Any, proj: dict, relax_impl:
         shortest = min(q.context for q in queries)
         answers = [answer(model, replace(q, tp=tp_of(m), concurrency=m.concurrency, context=shortest),
                           config_of(r)).tokens_per_s for q, r in zip(queries, cands)]
-        out.append((m.tokens_per_s, statistics.median(answers), e2e_key(m)))
+        out.append((m.tokens_per_s, statistics.median(answers), configuration(m)))
     return out
 
 
@@ -396,4 +438,4 @@ def backtest(data: Sequence[Dataset], outside: Sequence[Dataset] = ()) -> list[B
     rows: list[BacktestRow] = []
     for d in data:
         rows += composition(d) + depth(d) + size(d) + tensor_parallel(d)
-    return rows + cross_host(data, outside)
+    return judged(rows + cross_host(data, outside))

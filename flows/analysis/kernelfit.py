@@ -107,6 +107,16 @@ class FamilyModel:
         near = min(same, key=lambda k: (abs(math.log(k[-1] / key[-1])), k[-1]))
         return near, f"re-sharded from TP-{near[-1]} points"
 
+    def flop_share(self, key: Key, nbytes: float, flops: float) -> float | None:
+        """The share of the fitted time (this machine) that is the flop term, at a point of measured class
+        `key`; None without a fit. Where it stays small over the points fitted, the compute rate is not
+        identified by them (the MoE at small M): a prediction where it is large rests on a guessed rate."""
+        cls = self.classes.get(key)
+        if cls is None or cls.fit is None:
+            return None
+        total = cls.fit.us(nbytes, flops)
+        return flops * cls.fit.us_per_flop / total if total > 0 else None
+
     def time_us(self, key: Key, shape: Shape, nbytes: float, flops: float,
                 carry: Callable[[str], Carry | None] | None = None) -> tuple[Estimate, str] | None:
         """The family's time at a shape of class `key` (None when the family has no class to carry it from);

@@ -31,7 +31,7 @@ from engine.table_files import to_table
 from flows.analysis.assumptions import (Assumption, BandEvidence, Comm, E2eNotMeasured, E2eWithoutSplit, Kept,
                                         KernelModels, ReferenceCeilings, SkippedPoint, StepModel, TargetCeilings,
                                         TensorParallel, TpCarry, parse, record)
-from flows.analysis.bands import MIN_POINTS, Band, combine, from_reference, holding, reached, step_band
+from flows.analysis.bands import MIN_GROUPS, Band, combine, evidence_in, from_reference, holding, reached, step_band
 from flows.analysis.carrier import how, others
 from flows.analysis.ceilings import (ALLREDUCES_PER_LAYER, DTYPE_KEYS, Ceilings, CommModel, Machine, ProjectionError,
                                      Tables, allreduce_us, comm_model, measured_ceilings, peak_tflops, rows_of)
@@ -145,15 +145,16 @@ def measured_band(row: KernelRow) -> Band:
 
 
 def project_kernels(rows: list[KernelRow], model: Model, evidence: Sequence[Any], run_id: str,
-                    ref_run_id: str) -> list[KernelRow]:
+                    ref_run_id: str) -> tuple[list[KernelRow], set[str]]:
     """Every measured point on the target: by its family's kernel model where kdbench has one and the point
     is of the implementation the model was fitted on (its band from the cross-host evidence of that family
     in the point's regime on the target, holding the other candidate carriers' times, never faster than the
     target's spec roofline; the p10-p90 spread on the reference's own machine), else (a
-    baseline such as the torch reference) by `project_point`."""
+    baseline such as the torch reference) by `project_point`. Returns the rows and the carries whose band was
+    pooled (flows.analysis.bands)."""
     effs = family_effs(rows, model.ref_c)
     modelled = {point_key(p) for k in {r.kernel for r in rows} for p in preferred([r for r in rows if r.kernel == k])}
-    out = []
+    out, pooled = [], set()
     for r in rows:
         fam = model.fams.get(r.kernel)
         got = None if fam is None or host_side(r) or point_key(r) not in modelled else fam.time_us(
@@ -166,14 +167,15 @@ def project_kernels(rows: list[KernelRow], model: Model, evidence: Sequence[Any]
             t = got[0].value
             reg = regime(replace(r, time_us_p50=t), *model.tgt_c.of(r.dtype))
             if model.cross_host:
-                rows_ = [e for e in evidence if e.kind == "cross-host" and e.family.startswith(label(r))
-                         and e.regime == reg]
-                ratios = tuple(x for e in rows_ for x in e.ratios)
-                band = combine({f"cross-host {label(r)} {reg}": ((ratios, tuple(map(str, range(len(ratios))))), 1.0)},
+                same = [e for e in evidence if e.kind == "cross-host" and e.regime == reg]
+                own = [e for e in same if e.family.startswith(label(r))]
+                band = combine({f"cross-host {label(r)} {reg}": (evidence_in(own), 1.0,
+                                                                  evidence_in([e for e in same if e not in own]))},
                                _spread(r))
                 band = holding(band, [alt[0].value / t for m in model.others()
                                       for alt in [fam.time_us(class_key(r), shape_of(r), r.bytes, r.flops, m.carry)]
                                       if alt])
+                pooled.update(band.pooled)
             else:
                 band = measured_band(r)
             spec = model.target.spec   # no band edge beats the target's spec roofline
@@ -185,7 +187,7 @@ def project_kernels(rows: list[KernelRow], model: Model, evidence: Sequence[Any]
                     device="cpu" if model.target.spec.arch == "cpu" else "cuda", time_us_p10=None, time_us_p90=None)
         out.append(replace(q, achieved_gbps=r.bytes / (q.time_us_p50 * 1e3),
                            achieved_tflops=r.flops / (q.time_us_p50 * 1e6)))
-    return out
+    return out, pooled
 
 
 # -- communication ----------------------------------------------------------------------------
@@ -231,13 +233,13 @@ def choose_rows(rows: list[E2ERow], tp: int) -> list[E2ERow]:
 
 
 def project_e2e(tables: Tables, model: Model, evidence: Sequence[Any], run_id: str,
-                ref_run_id: str) -> tuple[list[E2ERow], list[TpCarry]]:
+                ref_run_id: str) -> tuple[list[E2ERow], list[TpCarry], set[str]]:
     """Each measured point as one rank of a TP-(target GPUs) deployment, by the step model. Returns the
-    rows and, per source degree, how it was carried."""
+    rows, per source degree how it was carried, and the carries whose band was pooled."""
     tp = max(model.target.gpus, 1)
     rows = calibration_rows(rows_of(tables, "e2e"))
     spread = step_spread(rows)
-    out, carried = [], {}
+    out, carried, pooled = [], {}, set()
     for r in choose_rows([r for r in rows if has_split(r)], tp):
         s = answer(model, replace(query_of(r), tp=tp), config_of(r))
         carried[tp_of(r)] = carried.get(tp_of(r), 0) + 1
@@ -246,7 +248,9 @@ def project_e2e(tables: Tables, model: Model, evidence: Sequence[Any], run_id: s
             if r.tokens_per_s else (r.accept_len_mean or 0.0) + 1.0
         tps = r.concurrency * per_step / (s.step_ms + s.ms["comm"]) * 1e3
         alts = [answer(m, replace(query_of(r), tp=tp), config_of(r)) for m in model.others()]
-        low, high = step_band(s, evidence, spread, alts).of_rate(tps)
+        band = step_band(s, evidence, spread, alts)
+        pooled.update(band.pooled)
+        low, high = band.of_rate(tps)
         out.append(E2ERow(config=r.config, layers=r.layers, concurrency=r.concurrency, budget=r.budget,
                           context=r.context, synthetic_accept=r.synthetic_accept, accept_len_mean=r.accept_len_mean,
                           weight_sets=r.weight_sets, vocab=r.vocab,
@@ -256,7 +260,7 @@ def project_e2e(tables: Tables, model: Model, evidence: Sequence[Any], run_id: s
                           run_id=run_id, device="cpu" if model.target.spec.arch == "cpu" else "cuda",
                           step_ms_p50=s.step_ms, tokens_per_s=tps, tokens_per_s_low=low, tokens_per_s_high=high,
                           source="projected", reference_run_id=ref_run_id))
-    return out, [TpCarry(t, "same" if t == tp else "model", n) for t, n in sorted(carried.items())]
+    return out, [TpCarry(t, "same" if t == tp else "model", n) for t, n in sorted(carried.items())], pooled
 
 
 # -- whole projection ---------------------------------------------------------------------------
@@ -276,6 +280,7 @@ class _Parts:
     comm: CommModel
     skipped_e2e: int
     not_measured: list[SkippedPoint]   # the reference's skipped e2e points: nothing to carry
+    pooled: list[str]                  # the carries whose band was pooled over their kind and regime
 
 
 def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str, evidence: Sequence[Any]) -> _Parts:
@@ -285,15 +290,16 @@ def _parts(tables: Tables, ref: Machine, target: Machine, run_id: str, evidence:
     model = build(tables, ref, target)
     evidence = from_reference(evidence, ref.name)
     kern = [r for r in rows_of(tables, "kernels") if r.source == "measured"]
-    kproj = project_kernels(kern, model, evidence, run_id, ref_run_id)
+    kproj, k_pooled = project_kernels(kern, model, evidence, run_id, ref_run_id)
     comm = comm_model(rows_of(tables, "comm"), ref, target)
-    eproj, how = project_e2e(tables, model, evidence, run_id, ref_run_id)
+    eproj, how, e_pooled = project_e2e(tables, model, evidence, run_id, ref_run_id)
     e2e = [r for r in rows_of(tables, "e2e") if r.source == "measured"]
     ok = [r for r in e2e if r.status == "ok"]
     skipped = [SkippedPoint(tp_of(r), r.concurrency, r.budget, r.context,
                             (r.skip_reason or "-")[:SKIP_REASON_CHARS], r.synthetic_accept)
                for r in e2e if r.status != "ok"]
-    return _Parts(run_id, model, kproj, eproj, how, comm, sum(1 for r in ok if not has_split(r)), skipped)
+    return _Parts(run_id, model, kproj, eproj, how, comm, sum(1 for r in ok if not has_split(r)), skipped,
+                  sorted(k_pooled | e_pooled))
 
 
 def _widen(low: float | None, high: float | None, central: float, o_low: float | None,
@@ -394,5 +400,6 @@ def assumption_records(ref: Machine, target: Machine, ref_run_id: str, p: _Parts
         recs.append(E2eWithoutSplit(p.skipped_e2e))
     if p.not_measured:
         recs.append(E2eNotMeasured(len(p.not_measured), p.not_measured[:NOT_MEASURED_LISTED]))
-    recs.append(BandEvidence(refs, MIN_POINTS, reached(evidence, ref.name, ref.spec.mem_bw_gbps), target.spec.mem_bw_gbps))
+    recs.append(BandEvidence(refs, MIN_GROUPS, reached(evidence, ref.name, ref.spec.mem_bw_gbps), target.spec.mem_bw_gbps,
+                             p.pooled))
     return recs

@@ -95,7 +95,8 @@ def answer_row(a: Answer) -> dict[str, Any]:
             COLUMNS.budget: q.budget, "accept": q.accept, "fits": s.memory.fits, "memory_gb": s.memory.need / 1e9,
             COLUMNS.tokens_per_s: s.tokens_per_s,
             COLUMNS.tokens_per_s_low: lo, COLUMNS.tokens_per_s_high: hi,
-            "band": "unknown: " + ", ".join(a.band.unknown) if not a.band.known else "",
+            "band": "unknown: " + ", ".join(a.band.unknown) if not a.band.known
+            else "pooled: " + ", ".join(a.band.pooled) if a.band.pooled else "",
             "step_ms": s.step_ms, COLUMNS.comm_ms: s.ms["comm"],
             **{f"{t}_share": s.share(t) for t in TERMS}, "largest": a.largest_text(),
             "interpolated": "; ".join(s.interpolated), "extrapolated": "; ".join(s.extrapolated),
@@ -130,7 +131,8 @@ def as_tables(host: str, model: Model, items: Sequence[Answer], run_id: str, wha
                            source="projected", reference_run_id=model.ref_run_id))
         notes.append({"largest": a.largest_text(), "largest_term": s.largest, "share": s.share(s.largest),
                       "interpolated": list(s.interpolated), "extrapolated": list(s.extrapolated),
-                      "carries": list(s.carries), "band_unknown": list(a.band.unknown), "notes": list(s.notes),
+                      "carries": list(s.carries), "band_unknown": list(a.band.unknown),
+                      "band_pooled": list(a.band.pooled), "notes": list(s.notes),
                       "tight": s.memory.tight()})
     prov = Provenance(run_id=run_id, host=host, gpu_name=spec.gpu, gpu_count=model.target.gpus, arch=spec.arch,
                       device="cpu" if spec.arch == "cpu" else "cuda", reference_run_id=model.ref_run_id,

@@ -118,7 +118,7 @@ def write_run(out: Path, host: str = "h200", run_id: str = "h200-20261020-1", bw
     return out
 
 
-def evidence(spread: float, n: int = 8,
+def evidence(spread: float, n: int = 12,
              carries: tuple[tuple[str, str], ...] = (("composition", "e2e step"), ("size", "moe_w4a16/triton"),
                                                      ("size", "mla_tree_attention/triton"), ("tp", "e2e TP-8 rank step"),
                                                      ("cross-host", "e2e tokens/s"))) -> list[BacktestRow]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from flows.analysis.backtest import CHANGED, BacktestRow, goal_gap
+from flows.analysis.bands import MIN_GROUPS
 from flows.inventory.scrub import md
 
 
@@ -32,12 +33,13 @@ def backtest_cells(rows: Sequence[BacktestRow], cell: Callable[..., str] = md) -
             if med_gap is not None:
                 bits.append("median met" if med_gap == 0 else f"median {med_gap:.1%} over")
             if band_gap is None:
-                bits.append("band unknown (under 5 other points)")
+                bits.append(f"band unknown (under {MIN_GROUPS} other configurations, pooled too)")
             else:
                 bits.append("band met" if band_gap == 0 else f"band {band_gap:.0%} short")
             goal = ", ".join(bits)
         data = r.reference if r.reference == r.target else f"{r.reference} -> {r.target}"
-        in_band = "-" if r.in_band is None else f"{r.in_band:.0%}" + (f" ({r.unknown} unknown)" if r.unknown else "")
+        notes = [f"{n} {what}" for n, what in ((r.pooled, "pooled"), (r.unknown, "unknown")) if n]
+        in_band = "-" if r.in_band is None else f"{r.in_band:.0%}" + (f" ({', '.join(notes)})" if notes else "")
         out.append([cell(r.kind), cell(data), cell(r.family), cell(r.regime), str(r.points), _pct(r.median_error),
                     "-" if r.median_abs_error is None else f"{r.median_abs_error:.1%}", _pct(r.worst_error), in_band, "-" if r.half_width is None else f"{r.half_width:.1%}",
                     cell(goal, cap=400)])

@@ -104,10 +104,12 @@ def assumption_text(a: Assumption) -> str:
         n = len(a.references)
         return (f"band: from the held-out errors of the carries each figure uses (the backtests: composition, tp, "
                 f"size, cross-host: the carries from this page's reference to the other measured hosts and to "
-                f"outside figures, a kernel family's in the point's regime) and the measurement spread; unknown "
-                f"where a carry has fewer than "
-                f"{a.min_points} held-out points" + (f"; widened to the spread across {n} references"
-                                                     if n > 1 else ""))
+                f"outside figures, a kernel family's in the point's regime) and the measurement spread, at the "
+                f"split-conformal rank of the held-out configurations' errors; pooled over the carries of the same "
+                f"kind and regime where a carry has fewer than {a.min_groups} held-out configurations, unknown "
+                f"where even the pool has fewer" + (f" (pooled here: {md(', '.join(a.pooled), cap=400)})"
+                                                   if a.pooled else "")
+                + (f"; widened to the spread across {n} references" if n > 1 else ""))
     # map_strings escaped the record's string values above; its keys and other values are escaped here
     return ", ".join(f"{md(k)} {v if isinstance(v, str) else md(v)}" for k, v in sorted(a.record.items()))
 

@@ -53,11 +53,15 @@ def whatif_view(tables: Mapping[str, Any]) -> WhatIfView | None:
     first = rows[0]
     extrapolated = sorted({e for n in notes if isinstance(n, dict) for e in n.get("extrapolated", [])})
     unknown = sorted({u for n in notes if isinstance(n, dict) for u in n.get("band_unknown", [])})
+    pooled = sorted({u for n in notes if isinstance(n, dict) for u in n.get("band_pooled", [])})
     lines = []
     if extrapolated:
         lines.append("extrapolated beyond the measured shapes in some cells: " + md(", ".join(extrapolated), cap=600))
     if unknown:
         lines.append("band unknown where a carry has too little held-out evidence: " + md(", ".join(unknown), cap=400))
+    if pooled:
+        lines.append("band pooled over the carries of the same kind and regime where a carry has too few held-out "
+                     "configurations of its own: " + md(", ".join(pooled), cap=400))
     intro = (f"The step model's answers (projected, not measured) at TP-{first.tp}, tree budget {first.budget}, "
              f"from {md(prov.reference_host or '?')} run {md(prov.reference_run_id or '?')}: tokens/s = C x "
              "(accepted + 1) / (step + comm), the steady state of a full batch, with its band from the backtests' "
