@@ -195,15 +195,13 @@ def pick_config(cap: tuple[int, int] | None, dtype: torch.dtype, batch: int, row
     """The Config for `batch` sequences of `rows` query rows over caches of `cache_rows` rows on a
     device of capability `cap` (the default where a table entry's kernel cannot run these inputs):
     the one choice both the launch and the kernels table's impl column (kernels.ops.mla_impl) read."""
-    table = CONFIGS.get(cap, CONFIGS[None])
-    work = batch * triton.cdiv(rows, WORK_TILE) * triton.cdiv(cache_rows, WORK_TILE)
     if rows <= 16:
         cls = "small"
-    elif cap in SHORT_WORK and work <= SHORT_WORK[cap]:
+    elif cap in SHORT_WORK and batch * triton.cdiv(rows, WORK_TILE) * triton.cdiv(cache_rows, WORK_TILE) <= SHORT_WORK[cap]:
         cls = "short"
     else:
         cls = "rows"
-    cfg = table[cls]
+    cfg = CONFIGS.get(cap, CONFIGS[None])[cls]
     if cfg.kernel == "triton" or gluon_runs(cap, dtype):
         return cfg
     return CONFIGS[None]["small" if cls == "small" else "rows"]

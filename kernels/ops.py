@@ -95,7 +95,7 @@ def mla_tree_attention(q_nope: Tensor, q_rope: Tensor, ckv: Tensor, kpe: Tensor,
     """Absorbed MLA for T tree tokens over each sequence's prefix plus their tree ancestors; with
     causal=True the T tokens are a chunk of prompt (token t sees the prefix and chunk tokens <= t)
     and tree_mask may be None."""
-    fn = reference.mla_tree_attention if mla_impl(q_nope, ckv.shape[1], impl) == "torch" else \
+    fn = reference.mla_tree_attention if kernel_impl(impl, "mla_tree_attention", q_nope) == "torch" else \
         kernel_module("mla_tree_attention").mla_tree_attention
     return fn(q_nope, q_rope, ckv, kpe, ctx_lens, tree_mask, sm_scale, causal=causal)
 
