@@ -209,7 +209,7 @@ class _Call:
 
         def gemm(c: PassConfig, a: list, wq: str, ws: str, part: tuple[int, int], tab: list, ub: int,
                  n: int, k: int, rows_per_slot: int, down: bool) -> tuple:
-            grid = (ub, n // (c.rows * c.span), c.splits(k))
+            grid = (n // (c.rows * c.span), ub, c.splits(k))
             args = [*a, base[wq], base[ws], part, base["tw"], *tab, val(s), val(n), val(k), val(min(c.k_chunk, k)),
                     val(c.span), val(rows_per_slot), val(e), val(down), val(down)]  # weighted, early: the down pass
             return c.kernel, grid, c.threads, c.smem_bytes(k), args

@@ -35,9 +35,9 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
   // early: the table was complete before this launch (see the top), read through L2 (__ldcg: no
   // stale L1 line of an earlier call's table), and the first weight stages go before the wait
   if (!early) grid_wait();
-  const int e = __ldcg(bexp + blockIdx.x);
+  const int e = __ldcg(bexp + blockIdx.y);
   if (e >= E) return;  // unused block of the table: the whole CTA leaves before any barrier
-  const int mstart = __ldcg(bms + blockIdx.x);
+  const int mstart = __ldcg(bms + blockIdx.y);
   const int nvalid = min(TN, __ldcg(cnt + e) - mstart);
   if (nvalid > TA) __trap();  // the caller's contract (M <= TA) broken: never a silent wrong result
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -49,7 +49,7 @@ __device__ __forceinline__ void moe_gemm(const uint16_t* __restrict__ a, const u
   __syncthreads();
 
   constexpr int BN = St::STRIPS * 16;
-  const int n0 = blockIdx.y * BN * span;  // the CTA's span tiles of BN rows, one after the other
+  const int n0 = blockIdx.x * BN * span;  // the CTA's span tiles of BN rows, one after the other
   const int kbeg = blockIdx.z * KS;
   const int steps = KS / (STEP * H);  // ring stages of H K steps a tile
   const int total = steps * span;     // the ring runs on across tiles: a short K chunk stays pipelined

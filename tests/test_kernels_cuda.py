@@ -525,8 +525,8 @@ def test_a_call_shape_is_laid_out_once_and_wires_each_pass_to_the_next(fake_modu
     assert dn[:2] == silu[4:6] and dn[6:11] == al_dn[5:10], "down reads SiLU's output and its own table"
     assert dn[11:] == [s, h, inter, 256, 8, 1, e, 1, 1]
     assert sm == [dn[4], 1, s, m, h, topk, ptr["out"]]
-    assert lib.launched[2][1] == [ub(16), 2 * inter // (cfg.gate_up.rows * cfg.gate_up.span), 1]
-    assert lib.launched[4][1] == [ub(32), h // (cfg.down.rows * cfg.down.span), 1]
+    assert lib.launched[2][1] == [2 * inter // (cfg.gate_up.rows * cfg.gate_up.span), ub(16), 1], "row tiles first"
+    assert lib.launched[4][1] == [h // (cfg.down.rows * cfg.down.span), ub(32), 1]
     need = 4 * s * 2 + 4 * e * 4 + 4 * (ub(16) + ub(32)) * 2 + 2 * m * h * 17 // 16 + 4 * s * 2 * inter + \
         2 * s * inter * 17 // 16 + 2 * s * h
     assert need <= call.ws_bytes <= need + 256 * 16
