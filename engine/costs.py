@@ -100,6 +100,25 @@ def dense_ops(cfg: ModelConfig, tp: int = 1) -> list[DenseOp]:
     ]
 
 
+def prefill_flops(cfg: ModelConfig, tokens: int, layers: int | None = None, tp: int = 1) -> float:
+    """The least flops of one sequence's prefill of `tokens` prompt tokens on one rank of TP-tp: what TTFT
+    is judged against (issue 26: within 3x of the compute floor). Every GEMM a token runs (`dense_ops`'
+    verify ops, the routed experts at top-k, the lm-head for the last token only) plus causal attention
+    in its cheaper decompressed form (q.k over the nope and rope dims, p.v over the v dims, a pair of
+    tokens once): the absorbed form the engine runs costs (2 kv_lora + rope) / (qk + v) = 3.4x more a
+    pair at K2's sizes, so it is not the floor."""
+    layers = cfg.layers if layers is None else layers
+    dense = min(cfg.dense_layers, layers)
+    times = {"layer": layers, "dense_layer": dense, "moe_layer": layers - dense}
+    per_token = sum(times[op.per] * dense_op_cost(op, 1)[1] for op in dense_ops(cfg, tp)
+                    if op.rows == "verify" and op.per != "step")
+    per_token += (layers - dense) * moe_cost(cfg, 1, 0.0, tp=tp)[1]
+    head = sum(dense_op_cost(op, 1)[1] for op in dense_ops(cfg, tp) if op.rows == "verify" and op.per == "step")
+    pairs = tokens * (tokens + 1) / 2
+    attention = layers * (cfg.heads // tp) * 2.0 * (cfg.qk_dim + cfg.v_dim) * pairs
+    return tokens * per_token + head + attention
+
+
 def dense_op_rows(op: DenseOp, cfg: ModelConfig, concurrency: int, budget: int) -> int:
     """M of one op in a step of C sequences with a B-node tree."""
     return {"verify": concurrency * (budget + 1), "draft": concurrency * (cfg.draft_len + 1),

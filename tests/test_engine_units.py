@@ -7,8 +7,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from engine.costs import expected_experts
-from engine.config import K2, make_config
+from engine.costs import expected_experts, prefill_flops
+from engine.config import K2, K2_MINI, make_config
 from engine.env import UsageError, check_arch, pick_device
 from engine.timing import flush_l2, host_us, percentile, time_op
 
@@ -27,6 +27,20 @@ def test_expected_experts_matches_k2_table():
     want = {1: 8, 4: 31, 8: 59.5, 16: 110, 32: 188, 64: 284, 128: 358, 256: 382}
     for m, e in want.items():
         assert expected_experts(384, 8, m) == pytest.approx(e, abs=0.6)
+
+
+def test_prefill_flops_count_each_gemm_once_a_token_and_attention_once_a_pair():
+    """k2-mini counted by hand: every layer's projections (q_a 64x128, q_b 192x64, kv_a 80x128, w_uk and
+    w_uv 4 x 64x32, o 128x128 = 63,488 MACs), the MoE layers' gate, shared expert and 4 routed experts
+    (2,048 + 24,576 + 4 x 24,576), the dense layer's FFN (98,304), the lm-head once (65,536 MACs), and
+    causal attention over 3 layers x 4 heads x (48 + 32) dims a pair of tokens."""
+    per_token = 2 * (3 * 63_488 + 2 * (2_048 + 24_576 + 4 * 24_576) + 98_304)
+    pairs = 64 * 65 // 2
+    assert prefill_flops(K2_MINI, 64) == 64 * per_token + 2 * 65_536 + 3 * 4 * 2 * 80 * pairs
+    # TP-8 shards the heads and the FFNs, not the replicated q_a / kv_a / gate: more than an eighth
+    k2_1, k2_8 = prefill_flops(K2, 8192), prefill_flops(K2, 8192, tp=8)
+    assert k2_1 / 8 < k2_8 < k2_1 / 4
+    assert 9e9 < (prefill_flops(K2, 2, tp=8) - prefill_flops(K2, 1, tp=8)) < 10e9   # ~9.5 GFLOP a token a rank
 
 
 def test_percentile_matches_numpy():

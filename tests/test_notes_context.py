@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import K2
+from engine.costs import prefill_flops
 from engine.rows import E2ERow
 from flows.analysis.backtest_store import refresh
 from flows.inventory.hosts import Inventory
@@ -72,7 +74,13 @@ def test_tokens_per_s_against_context_per_tp_and_concurrency(pages: tuple[Path, 
     for line in ([r for r in rows if r[1] == c] for c in ("1", "16")):
         tps = [float(r[5].replace(",", "")) for r in line]
         assert tps == sorted(tps, reverse=True)   # longer prompts, slower steps
-    assert rows[3][8:] == ["16.00", "12.00", "1.33"]   # attention ms, MoE ms and their ratio at 32k, C = 1
+    assert rows[3][10:] == ["16.00", "12.00", "1.33"]   # attention ms, MoE ms and their ratio at 32k, C = 1
+    # TTFT against its compute floor: the prompts' flops at the run's matmul rate (720 TFLOP/s here)
+    for r in rows:
+        c, n = int(r[1]), int(r[4].replace(",", ""))
+        floor = c * prefill_flops(K2, n, FULL, tp=8) / 720e9
+        assert r[7] == f"{floor:,.1f}" and r[8] == f"{0.05 * c * n / floor:,.1f}"
+    assert float(rows[3][7].replace(",", "")) > 4 * float(rows[2][7].replace(",", ""))  # attention: superlinear
     # where attention overtakes the MoE, from the rows' own split
     assert "- TP-8 C=1 (level 0.8, B=15): attention overtakes the MoE between 8,192 and 32,768 tokens " \
            "(4.00 vs 12.00 ms a step at 8,192 tokens; 16.00 vs 12.00 ms a step at 32,768 tokens)." in sect

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+from engine.config import CONFIGS
+from engine.costs import prefill_flops
 from engine.rows import E2ERow
 from flows.analysis.families import tp_of
 from flows.inventory.scrub import md
 from flows.notes.fmt import band_text, fmt
 from flows.notes.pages import ContextView, Table
 from flows.notes.plots import Lines
-from flows.notes.points import at_full_depth, no_full_depth
+from flows.notes.points import at_full_depth, ceilings_of, no_full_depth
 from flows.notes.views import HostView, Run
 
 
@@ -46,6 +48,15 @@ def crossover(name: str, series: list[E2ERow]) -> str:
             f"{split[over].context:,} tokens{lack} ({at(split[over - 1])}; {at(split[over])}).")
 
 
+def ttft_floor_ms(e: E2ERow, matmul_tflops: float | None) -> float | None:
+    """The compute floor of a row's TTFT: its sequences' prefill flops (`prefill_flops`, at the row's
+    prompt length, depth and TP degree) at the run's bf16 matmul rate; None where a piece is unknown."""
+    cfg = CONFIGS.get(e.config or "")
+    if cfg is None or not matmul_tflops or not e.context or not e.concurrency:
+        return None
+    return e.concurrency * prefill_flops(cfg, e.context, e.layers, tp_of(e)) / (matmul_tflops * 1e9)
+
+
 def skipped_points(rows: list[E2ERow]) -> tuple[str, ...]:
     """Each skipped e2e point in words: its key, the bytes it needed and the run's reason."""
     out = []
@@ -67,16 +78,18 @@ def context_view(view: HostView, run: Run, rel: str) -> tuple[ContextView, tuple
                                      "concurrency (the CUDA full profile's context axis adds prompts of 1k-128k tokens)")
         return ContextView(None, None, (), skipped, why), ()
     projected = view.kind == "projected"
-    head = ["tp", "concurrency", "level", "budget", "context", "tokens/s", "TTFT ms", "step ms (p50)",
-            "attention ms", "MoE ms", "attention / MoE"]
+    head = ["tp", "concurrency", "level", "budget", "context", "tokens/s", "TTFT ms", "TTFT floor ms",
+            "TTFT / floor", "step ms (p50)", "attention ms", "MoE ms", "attention / MoE"]
+    matmul = ceilings_of(run, view.spec)[1]
     if projected:
         head.insert(6, "band (tokens/s)")
     table, words = [], []
     for (tp, conc, level, budget), rows in series.items():
         for e in rows:
-            att, moe = e.attention_ms, e.moe_ms
+            att, moe, floor = e.attention_ms, e.moe_ms, ttft_floor_ms(e, matmul)
             r = [str(tp), str(conc), f"{level:g}", str(budget), f"{e.context:,}", fmt(e.tokens_per_s, 0),
-                 fmt(e.ttft_ms, 0), fmt(e.step_ms_p50, 2), fmt(att, 2), fmt(moe, 2),
+                 fmt(e.ttft_ms, 0), fmt(floor, 1), fmt(e.ttft_ms / floor, 1) if e.ttft_ms and floor else "-",
+                 fmt(e.step_ms_p50, 2), fmt(att, 2), fmt(moe, 2),
                  fmt(att / moe, 2) if att is not None and moe else "-"]
             if projected:
                 r.insert(6, band_text(e.tokens_per_s_low, e.tokens_per_s_high, 0))
